@@ -1,0 +1,237 @@
+package dedup
+
+import (
+	"context"
+	"encoding/hex"
+	"math/rand/v2"
+	"strconv"
+	"time"
+)
+
+// Outcome is what a claim found.
+type Outcome uint8
+
+const (
+	// Acquired: the caller owns the key until its lease ends and must
+	// Complete or Release it. The record was absent, completed and expired,
+	// or in progress with an expired lease (then Claim.TakenOver is set).
+	Acquired Outcome = iota + 1
+	// InProgress: another owner holds a live lease. Back off or nack with a
+	// delay until about Claim.LeaseUntil; do not run the effect.
+	InProgress
+	// Duplicate: the key was completed within its retention. Claim.Result
+	// holds what the first run stored. Acknowledge; do not run the effect.
+	Duplicate
+	// Mismatch: the key is in progress or completed with another
+	// fingerprint. The key is reused for a different request: a conflict,
+	// never a duplicate. See [ErrFingerprintMismatch].
+	Mismatch
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Acquired:
+		return "acquired"
+	case InProgress:
+		return "in_progress"
+	case Duplicate:
+		return "duplicate"
+	case Mismatch:
+		return "fingerprint_mismatch"
+	}
+	return "outcome(" + strconv.Itoa(int(o)) + ")"
+}
+
+// A Token fences one ownership of a key. A new one is drawn for every
+// acquisition, so an owner whose lease was taken over cannot complete or
+// release the record of the new owner. The zero Token is never issued.
+type Token [16]byte
+
+// NewToken returns a random token. It reads the runtime's ChaCha8 generator
+// (seeded by the operating system), which does not allocate or make a
+// system call; 128 random bits make a collision between two owners of one
+// key negligible.
+func NewToken() Token {
+	var t Token
+	for {
+		a, b := rand.Uint64(), rand.Uint64()
+		for i := range 8 {
+			t[i] = byte(a >> (8 * i))
+			t[8+i] = byte(b >> (8 * i))
+		}
+		if !t.IsZero() {
+			return t
+		}
+	}
+}
+
+// IsZero reports whether t is the zero Token.
+func (t Token) IsZero() bool { return t == Token{} }
+
+// String returns t in hex.
+func (t Token) String() string { return hex.EncodeToString(t[:]) }
+
+// A Claim is the answer of [Store.Claim]. Pass an acquired Claim back to
+// Complete, Release or Extend; the store uses its Key and Token.
+type Claim struct {
+	Key     Key
+	Outcome Outcome
+	// Token is set when Outcome is Acquired.
+	Token Token
+	// Attempt counts acquisitions of the key since it was last absent:
+	// 1 for a first claim, +1 for each take-over of an expired lease.
+	// Set for Acquired and InProgress.
+	Attempt int
+	// TakenOver is set when this acquisition replaced an owner whose lease
+	// had expired (the owner probably crashed mid-effect).
+	TakenOver bool
+	// LeaseUntil is when the lease ends: the caller's own lease when
+	// Acquired, the other owner's when InProgress (a Retry-After).
+	LeaseUntil time.Time
+	// Result is what Complete stored, when Outcome is Duplicate. It is the
+	// caller's copy.
+	Result []byte
+	// ExpiresAt is when a Duplicate's record expires and the key is new again.
+	ExpiresAt time.Time
+}
+
+// Err returns nil for Acquired and Duplicate, an [*InProgressError] for
+// InProgress and [ErrFingerprintMismatch] for Mismatch.
+func (c Claim) Err() error {
+	switch c.Outcome {
+	case Acquired, Duplicate:
+		return nil
+	case InProgress:
+		return &InProgressError{Key: c.Key, LeaseUntil: c.LeaseUntil}
+	case Mismatch:
+		return ErrFingerprintMismatch
+	}
+	return &ArgumentError{Arg: "claim", Reason: "has no outcome"}
+}
+
+// Store is the claim contract every engine implements. Every method is one
+// atomic step in the store; the state table is in docs/DESIGN.md.
+//
+// Errors: invalid arguments give an [*ArgumentError] before any I/O; an
+// unreachable store, a timeout or a cancelled context gives a
+// [*StoreError] (fail closed: the caller must neither proceed nor treat the
+// message as a duplicate); a fenced call whose token no longer owns the
+// record gives [ErrLeaseLost]; any call after Close gives [ErrClosed].
+type Store interface {
+	// Claim asks to own key for lease. See [Outcome] for the answers.
+	Claim(ctx context.Context, key Key, fp Fingerprint, lease time.Duration) (Claim, error)
+	// Complete marks an acquired claim done, storing result (which may be
+	// nil) for retention. Completing again with the same token is a no-op.
+	// A lease that ran out but was not taken over yet may still complete.
+	Complete(ctx context.Context, c Claim, result []byte, retention time.Duration) error
+	// Release gives up an acquired claim: the record is removed and the
+	// next claim acquires at once with attempt 1. It never removes a
+	// completed record.
+	Release(ctx context.Context, c Claim) error
+	// Close releases the store's resources; later calls return ErrClosed.
+	Close() error
+}
+
+// Extender is a store that can move a live lease forward, for handlers that
+// outlast one lease.
+type Extender interface {
+	// Extend sets the lease of an acquired claim to now + lease and returns
+	// the claim with its new LeaseUntil, or ErrLeaseLost.
+	Extend(ctx context.Context, c Claim, lease time.Duration) (Claim, error)
+}
+
+// A ClaimRequest is one key of a batch claim.
+type ClaimRequest struct {
+	Key         Key
+	Fingerprint Fingerprint
+}
+
+// BatchClaimer is a store that can claim many keys in one round trip.
+type BatchClaimer interface {
+	// ClaimBatch returns one Claim per request, in order, with the
+	// semantics of Claim as if each were claimed alone in some order. A key
+	// repeated inside the batch is acquired by its first request; the
+	// others report InProgress.
+	ClaimBatch(ctx context.Context, reqs []ClaimRequest, lease time.Duration) ([]Claim, error)
+}
+
+// Sweeper is a store that can delete expired records in bounded batches.
+type Sweeper interface {
+	// Sweep deletes up to limit expired records and returns how many it
+	// deleted. Expired records are already invisible to Claim; sweeping
+	// only reclaims space.
+	Sweep(ctx context.Context, limit int) (int, error)
+}
+
+// Pinger is a store that can check that its server answers.
+type Pinger interface {
+	Ping(ctx context.Context) error
+}
+
+// ClaimBatch claims reqs on s in one round trip when s is a [BatchClaimer],
+// and one by one otherwise, with the same per-key results.
+func ClaimBatch(ctx context.Context, s Store, reqs []ClaimRequest, lease time.Duration) ([]Claim, error) {
+	if b, ok := s.(BatchClaimer); ok {
+		return b.ClaimBatch(ctx, reqs, lease)
+	}
+	out := make([]Claim, len(reqs))
+	for i, r := range reqs {
+		c, err := s.Claim(ctx, r.Key, r.Fingerprint, lease)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = c
+	}
+	return out, nil
+}
+
+// A Clock tells the time. Stores that keep time themselves (memory,
+// SQLite) take one so that leases and retention can be tested without
+// sleeping; stores with a server use the server's clock.
+type Clock interface {
+	Now() time.Time
+}
+
+// SystemClock is the [Clock] of time.Now.
+type SystemClock struct{}
+
+// Now returns time.Now().
+func (SystemClock) Now() time.Time { return time.Now() }
+
+// ValidateClaim checks the arguments of Claim. Stores call it before any I/O.
+func ValidateClaim(key Key, fp Fingerprint, lease time.Duration) error {
+	if err := key.Validate(); err != nil {
+		return err
+	}
+	if err := fp.validate(); err != nil {
+		return err
+	}
+	return validateDuration("lease", lease)
+}
+
+// ValidateComplete checks the arguments of Complete.
+func ValidateComplete(c Claim, retention time.Duration) error {
+	if err := ValidateRelease(c); err != nil {
+		return err
+	}
+	return validateDuration("retention", retention)
+}
+
+// ValidateRelease checks the claim given to Release, Complete or Extend: it
+// must have been acquired.
+func ValidateRelease(c Claim) error {
+	if err := c.Key.Validate(); err != nil {
+		return err
+	}
+	if c.Outcome != Acquired || c.Token.IsZero() {
+		return &ArgumentError{Arg: "claim", Reason: "was not acquired (outcome " + c.Outcome.String() + ")"}
+	}
+	return nil
+}
+
+func validateDuration(arg string, d time.Duration) error {
+	if d <= 0 {
+		return &ArgumentError{Arg: arg, Reason: "must be positive, got " + d.String()}
+	}
+	return nil
+}

@@ -1,0 +1,3 @@
+module github.com/dedupkit/dedup
+
+go 1.26

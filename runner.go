@@ -1,0 +1,325 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// A Handler applies one message or request. It returns the bytes to store
+// as the result (replayed to duplicates; may be nil) or an error.
+type Handler func(ctx context.Context) (result []byte, err error)
+
+// Disposition says what a [Runner] does with its claim when the handler
+// fails.
+type Disposition uint8
+
+const (
+	// Release removes the claim so the redelivery runs the handler again at
+	// once. The default: a failed message is never lost.
+	Release Disposition = iota
+	// Keep leaves the claim in progress until its lease expires; the next
+	// delivery after that takes it over (attempt + 1). Use it for an unknown
+	// outcome (a timed-out external call that may have succeeded): it holds
+	// off concurrent retries for one lease, and the take-over tells the
+	// next attempt to reconcile before it acts.
+	Keep
+	// Record completes the claim as a final outcome (a business rejection):
+	// redeliveries become duplicates. The stored result is taken from an
+	// error in the chain that implements [ResultError], or is nil.
+	Record
+)
+
+// ResultError is an error that carries the result to store when its
+// disposition is [Record].
+type ResultError interface {
+	error
+	Result() []byte
+}
+
+// Result is what [Runner.Do] did.
+type Result struct {
+	// Duplicate is set when the key was already completed: the handler did
+	// not run, and Result holds what the first run stored.
+	Duplicate bool
+	// Result is the handler's result, or the stored one for a duplicate.
+	Result []byte
+	// Attempt and TakenOver come from the claim (see [Claim]).
+	Attempt   int
+	TakenOver bool
+	// Recorded is set when the handler failed and its failure was
+	// completed as a final outcome ([Record]).
+	Recorded bool
+}
+
+// Runner runs handlers at most once per key and completes them exactly
+// once: claim, run, then complete, or on failure release, keep or record
+// the claim as its classifier says. It is safe for concurrent use.
+type Runner struct {
+	store Store
+	cfg   runnerConfig
+}
+
+type runnerConfig struct {
+	name            string
+	lease           time.Duration
+	retention       time.Duration
+	finalizeTimeout time.Duration
+	heartbeat       time.Duration
+	classify        func(error) Disposition
+	hooks           Hooks
+}
+
+func defaultRunnerConfig() runnerConfig {
+	return runnerConfig{
+		name:            "store",
+		lease:           30 * time.Second,
+		retention:       24 * time.Hour,
+		finalizeTimeout: 10 * time.Second,
+		classify:        func(error) Disposition { return Release },
+	}
+}
+
+func (c *runnerConfig) validate() error {
+	if err := validateDuration("lease", c.lease); err != nil {
+		return err
+	}
+	if err := validateDuration("retention", c.retention); err != nil {
+		return err
+	}
+	if err := validateDuration("finalize timeout", c.finalizeTimeout); err != nil {
+		return err
+	}
+	if c.heartbeat < 0 || (c.heartbeat > 0 && c.heartbeat >= c.lease) {
+		return &ArgumentError{Arg: "heartbeat", Reason: "must be positive and shorter than the lease (" + c.lease.String() + "), got " + c.heartbeat.String()}
+	}
+	if c.classify == nil {
+		return &ArgumentError{Arg: "classifier", Reason: "is nil"}
+	}
+	return nil
+}
+
+// A RunnerOption configures a [Runner].
+type RunnerOption interface{ apply(*runnerConfig) }
+
+type runnerOption func(*runnerConfig)
+
+func (f runnerOption) apply(c *runnerConfig) { f(c) }
+
+// WithName names the store in hook events. Default "store".
+func WithName(name string) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.name = name })
+}
+
+// WithLease sets how long a claim is owned before another delivery may take
+// it over. Make it longer than the slowest handler, or use [WithHeartbeat].
+// Default 30s.
+func WithLease(d time.Duration) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.lease = d })
+}
+
+// WithRetention sets how long a completed key is remembered. It must cover
+// the longest time the broker or client may redeliver (the replay horizon);
+// a record that expires earlier lets the duplicate through. Default 24h.
+func WithRetention(d time.Duration) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.retention = d })
+}
+
+// WithClassifier decides what happens to the claim when the handler
+// returns an error. Default: [Release] for every error.
+func WithClassifier(f func(error) Disposition) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.classify = f })
+}
+
+// WithFinalizeTimeout bounds Complete and Release when the caller's context
+// is already cancelled: they then run on a detached context with this
+// timeout, so that a handler that succeeded just before a cancel is still
+// recorded. Default 10s.
+func WithFinalizeTimeout(d time.Duration) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.finalizeTimeout = d })
+}
+
+// WithHeartbeat extends the lease every d while the handler runs, on stores
+// that implement [Extender]. If an extension finds the lease lost, the
+// handler's context is cancelled with cause ErrLeaseLost. d must be shorter
+// than the lease. Default 0: no heartbeat.
+func WithHeartbeat(d time.Duration) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.heartbeat = d })
+}
+
+// WithHooks adds observers of claims, duplicates, take-overs, finishes and
+// store errors.
+func WithHooks(hs ...Hook) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.hooks.Add(hs...) })
+}
+
+// NewRunner returns a Runner on s, or an [*ArgumentError] for a bad option.
+func NewRunner(s Store, opts ...RunnerOption) (*Runner, error) {
+	if s == nil {
+		return nil, &ArgumentError{Arg: "store", Reason: "is nil"}
+	}
+	cfg := defaultRunnerConfig()
+	for _, o := range opts {
+		o.apply(&cfg)
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Runner{store: s, cfg: cfg}, nil
+}
+
+// Do runs h for key unless key was already completed.
+//
+//   - Acquired: h runs; on success the claim is completed with h's result
+//     and Do returns it. On error the classifier's disposition is applied
+//     and Do returns h's error (joined with a store error if the release
+//     failed). A panic in h releases the claim and panics on.
+//   - Duplicate: h does not run; Do returns Result.Duplicate with the
+//     stored result and a nil error. Acknowledge it.
+//   - InProgress: an [*InProgressError] (errors.Is ErrInProgress): retry
+//     after its RetryAfter.
+//   - Mismatch: [ErrFingerprintMismatch].
+//   - A store failure: a [*StoreError]; h did not run (fail closed).
+//
+// If Complete fails after h succeeded, Do returns the store error: h's
+// effect happened but is not recorded, so do not acknowledge; the lease
+// expires and the redelivery takes over (make the effect idempotent or use
+// a transactional inbox to close that window).
+//
+// Context cancellation: ctx is passed to h, and h decides what a cancel
+// means by what it returns. If ctx is cancelled by the time h returns,
+// Complete or Release still runs, on a context detached from ctx and
+// bounded by the finalize timeout, so a success is recorded and a failure
+// is released rather than left to the lease.
+func (r *Runner) Do(ctx context.Context, key Key, fp Fingerprint, h Handler) (Result, error) {
+	cfg := &r.cfg
+	observe := !cfg.hooks.Empty()
+	var start time.Time
+	if observe {
+		start = time.Now()
+	}
+	c, err := r.store.Claim(ctx, key, fp, cfg.lease)
+	if observe {
+		e := ClaimEvent{Store: cfg.name, Key: key, Outcome: c.Outcome, Attempt: c.Attempt, TakenOver: c.TakenOver, Duration: time.Since(start), Err: err}
+		if err != nil {
+			e.Outcome = 0
+		}
+		cfg.hooks.Claimed(ctx, e)
+	}
+	if err != nil {
+		return Result{}, err
+	}
+	switch c.Outcome {
+	case Duplicate:
+		return Result{Duplicate: true, Result: c.Result, Attempt: c.Attempt}, nil
+	case Acquired:
+	default:
+		return Result{Attempt: c.Attempt}, c.Err()
+	}
+
+	res := Result{Attempt: c.Attempt, TakenOver: c.TakenOver}
+	out, herr := r.run(ctx, c, h)
+	fctx := ctx
+	if ctx.Err() != nil {
+		var cancel context.CancelFunc
+		fctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), cfg.finalizeTimeout)
+		defer cancel()
+	}
+	if herr == nil {
+		res.Result = out
+		return res, r.finish(fctx, c, "complete", out)
+	}
+	switch cfg.classify(herr) {
+	case Keep:
+		r.finish(fctx, c, "keep", nil)
+		return res, herr
+	case Record:
+		var re ResultError
+		var stored []byte
+		if errors.As(herr, &re) {
+			stored = re.Result()
+		}
+		if err := r.finish(fctx, c, "complete", stored); err != nil {
+			return res, errors.Join(herr, err)
+		}
+		res.Recorded, res.Result = true, stored
+		return res, herr
+	default:
+		if err := r.finish(fctx, c, "release", nil); err != nil {
+			return res, errors.Join(herr, err)
+		}
+		return res, herr
+	}
+}
+
+// run calls h, with a heartbeat when configured, and releases the claim if
+// h panics.
+func (r *Runner) run(ctx context.Context, c Claim, h Handler) (out []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+			defer cancel()
+			_ = r.finish(fctx, c, "release", nil)
+			panic(p)
+		}
+	}()
+	ext, ok := r.store.(Extender)
+	if r.cfg.heartbeat <= 0 || !ok {
+		return h(ctx)
+	}
+	hctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	done := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		t := time.NewTicker(r.cfg.heartbeat)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-hctx.Done():
+				return
+			case <-t.C:
+				if _, err := ext.Extend(hctx, c, r.cfg.lease); errors.Is(err, ErrLeaseLost) {
+					cancel(ErrLeaseLost)
+					return
+				}
+			}
+		}
+	}()
+	out, err = h(hctx)
+	close(done)
+	<-stopped
+	return out, err
+}
+
+func (r *Runner) finish(ctx context.Context, c Claim, op string, result []byte) error {
+	observe := !r.cfg.hooks.Empty()
+	var start time.Time
+	if observe {
+		start = time.Now()
+	}
+	var err error
+	switch op {
+	case "complete":
+		err = r.store.Complete(ctx, c, result, r.cfg.retention)
+	case "release":
+		err = r.store.Release(ctx, c)
+	}
+	if observe {
+		r.cfg.hooks.Finished(ctx, FinishEvent{Store: r.cfg.name, Key: c.Key, Op: op, Duration: time.Since(start), Err: err})
+	}
+	return err
+}
+
+// Once runs h for key with a default [Runner] on s (30s lease, 24h
+// retention, release on error). See [Runner.Do].
+func Once(ctx context.Context, s Store, key Key, fp Fingerprint, h Handler) (Result, error) {
+	r, err := NewRunner(s)
+	if err != nil {
+		return Result{}, err
+	}
+	return r.Do(ctx, key, fp, h)
+}
