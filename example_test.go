@@ -1,0 +1,59 @@
+package dedup_test
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/memstore"
+)
+
+// A payment consumer applies each message once, however often the broker
+// delivers it.
+func ExampleRunner() {
+	store, _ := memstore.New()
+	defer store.Close()
+	r, _ := dedup.NewRunner(store, dedup.WithLease(30*time.Second), dedup.WithRetention(24*time.Hour))
+
+	charges := 0
+	deliver := func(msgID, body string) {
+		key, err := dedup.NewKey("payments/charge-consumer", msgID)
+		if err != nil {
+			fmt.Println("bad message id:", err)
+			return
+		}
+		res, err := r.Do(context.Background(), key, dedup.FingerprintOf([]byte(body)), func(ctx context.Context) ([]byte, error) {
+			charges++
+			return []byte("receipt-" + msgID), nil
+		})
+		switch {
+		case err != nil:
+			fmt.Println("nack:", err)
+		case res.Duplicate:
+			fmt.Println("ack duplicate, replay", string(res.Result))
+		default:
+			fmt.Println("ack applied", string(res.Result))
+		}
+	}
+	deliver("evt-1", `{"amount":100}`)
+	deliver("evt-1", `{"amount":100}`) // redelivered
+	deliver("evt-1", `{"amount":999}`) // same id, other payload
+	deliver("", `{}`)
+	fmt.Println("charges:", charges)
+	// Output:
+	// ack applied receipt-evt-1
+	// ack duplicate, replay receipt-evt-1
+	// nack: dedup: key reused with a different fingerprint
+	// bad message id: dedup: invalid key id: is empty
+	// charges: 1
+}
+
+// Two messages with different IDs that carry one intent collide on a
+// business key.
+func ExampleBusinessKey() {
+	a, _ := dedup.BusinessKey("payments", "invoice", "inv-42", "capture")
+	b, _ := dedup.BusinessKey("payments", "invoice", "inv-42", "capture")
+	fmt.Println(a.ID, a == b)
+	// Output: bk:invoice/inv-42/capture true
+}
