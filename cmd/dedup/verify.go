@@ -1,0 +1,354 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"time"
+
+	"github.com/dedupkit/dedup/internal/verify"
+)
+
+// verifyFlags are the parsed flags of `dedup verify`.
+type verifyFlags struct {
+	cfg     verify.Config
+	store   string
+	mode    string
+	path    string
+	addr    string
+	keep    bool
+	timeout time.Duration
+	json    bool
+	quiet   bool
+}
+
+const verifyAbout = `Usage: dedup verify [flags]
+
+Drives an at-least-once pipeline against a store and checks that every
+message took effect exactly once. A simulated broker publishes messages
+with stable IDs to --consumers goroutines and injects faults: duplicate
+deliveries queued back to back (so two consumers race on one key),
+consumer crashes before the commit and after the commit but before the
+ack, handler failures, and redelivery after a visibility timeout or after
+a crashed owner's lease expires. Every effect is a row in a ledger table
+with no unique constraint; at the end each message must have exactly one
+row. A message with none is lost; one with two or more was applied twice.
+
+Modes:
+  inbox  (sqlite) the ledger row is written inside the store's inbox
+         transaction: the dedup record and the effect commit together.
+  lease  (memory, or --store sqlite --mode lease) claim with a lease,
+         append to an in-memory ledger, complete, ack. A crash while
+         holding the claim is recovered when a redelivery takes over the
+         expired lease. Not injected in lease mode: a crash between the
+         effect and Complete, or an owner stalled longer than --lease.
+         Either would apply the effect twice; closing that window takes
+         the transactional inbox or an idempotent effect, so verify does
+         not claim lease mode closes it.
+
+Exit status: 0 when every message was applied exactly once, 1 on any
+violation (lost, applied twice, timeout) or failure, 2 on bad usage.
+
+Flags:
+`
+
+func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
+	fs := flag.NewFlagSet("dedup verify", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // errors and help are printed by runVerify
+	d := verify.DefaultConfig()
+	f.cfg = d
+	fs.StringVar(&f.store, "store", "sqlite", "store to verify: "+strings.Join(verify.BackendNames(), ", "))
+	fs.StringVar(&f.mode, "mode", "", "inbox or lease (default: inbox for sqlite, lease for memory)")
+	fs.StringVar(&f.path, "path", "", "SQLite database `file` to use and keep (default: a temporary file, removed at exit)")
+	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store, comma-separated for a cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379 for redis)")
+	fs.BoolVar(&f.keep, "keep", false, "keep the temporary database file and print its path")
+	fs.IntVar(&f.cfg.Messages, "messages", d.Messages, "distinct messages to publish (at least 1)")
+	fs.IntVar(&f.cfg.Consumers, "consumers", d.Consumers, "concurrent consumers (at least 1)")
+	fs.Float64Var(&f.cfg.DupRate, "dup-rate", d.DupRate, "probability in [0,1] that the broker delivers a message twice, back to back")
+	fs.Float64Var(&f.cfg.CrashRate, "crash-rate", d.CrashRate, "probability in [0,1] that a delivery crashes its consumer (half before the commit, half after it and before the ack)")
+	fs.Float64Var(&f.cfg.FailRate, "fail-rate", d.FailRate, "probability in [0,1] that the handler fails before its effect (released, retried)")
+	fs.DurationVar(&f.cfg.Lease, "lease", d.Lease, "claim lease in lease mode; redelivery delays scale with it")
+	fs.Uint64Var(&f.cfg.Seed, "seed", 0, "seed of the broker's choices (0: random; the summary prints it)")
+	fs.DurationVar(&f.timeout, "timeout", 2*time.Minute, "bound on the whole run; running out of time is a failure")
+	fs.BoolVar(&f.json, "json", false, "print the report as one JSON object instead of a summary")
+	fs.BoolVar(&f.quiet, "quiet", false, "no progress on stderr")
+	return fs
+}
+
+func verifyUsage(w io.Writer, fs *flag.FlagSet) {
+	fmt.Fprint(w, verifyAbout)
+	fs.VisitAll(func(fl *flag.Flag) {
+		name, use := flag.UnquoteUsage(fl)
+		if name != "" {
+			name = " " + name
+		}
+		line := "  --" + fl.Name + name
+		if len(line) < 22 {
+			line += strings.Repeat(" ", 22-len(line))
+		} else {
+			line += "\n" + strings.Repeat(" ", 22)
+		}
+		if fl.DefValue != "" && fl.DefValue != "false" && fl.DefValue != "0" {
+			use += " (default " + fl.DefValue + ")"
+		}
+		fmt.Fprintln(w, line+wrap(use, 22, 79))
+	})
+}
+
+// wrap breaks s into lines of at most width columns, indenting every line
+// after the first by indent spaces.
+func wrap(s string, indent, width int) string {
+	var b strings.Builder
+	col := indent
+	for i, word := range strings.Fields(s) {
+		if i > 0 && col+1+len(word) > width {
+			b.WriteString("\n" + strings.Repeat(" ", indent))
+			col = indent
+		} else if i > 0 {
+			b.WriteByte(' ')
+			col++
+		}
+		b.WriteString(word)
+		col += len(word)
+	}
+	return b.String()
+}
+
+// usageError is a bad command line, reported with exit status 2.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string { return e.msg }
+
+func badUsage(format string, args ...any) error {
+	return &usageError{fmt.Sprintf(format, args...)}
+}
+
+// parseVerify parses and checks the flags of `dedup verify`.
+func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, error) {
+	var f verifyFlags
+	fs := newVerifyFlagSet(&f)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			verifyUsage(stdout, fs)
+			return f, verify.Backend{}, err
+		}
+		return f, verify.Backend{}, badUsage("%s", flagError(fs, err))
+	}
+	if fs.NArg() > 0 {
+		return f, verify.Backend{}, badUsage("unexpected argument %q: verify takes only flags", fs.Arg(0))
+	}
+	b, ok := verify.LookupBackend(f.store)
+	if !ok {
+		return f, b, badUsage("--store must be one of %s, got %q", strings.Join(verify.BackendNames(), ", "), f.store)
+	}
+	mode := b.Modes[0]
+	if f.mode != "" {
+		m, ok := verify.ParseMode(f.mode)
+		if !ok {
+			return f, b, badUsage("--mode must be inbox or lease, got %q", f.mode)
+		}
+		if !hasMode(b, m) {
+			return f, b, badUsage("--mode %s is not available for --store %s (it supports %s)", m, b.Name, joinModes(b.Modes))
+		}
+		mode = m
+	}
+	f.mode = string(mode)
+	if f.path != "" && !b.UsesPath {
+		return f, b, badUsage("--path applies only to a store kept in a file (sqlite), not to --store %s", b.Name)
+	}
+	if f.addr != "" && !b.UsesAddr {
+		return f, b, badUsage("--addr applies only to a store on a server (redis), not to --store %s", b.Name)
+	}
+	if f.timeout <= 0 {
+		return f, b, badUsage("--timeout must be positive, got %v", f.timeout)
+	}
+	if err := f.cfg.Validate(); err != nil {
+		return f, b, badUsage("%v", err)
+	}
+	return f, b, nil
+}
+
+// flagError rewrites an error of the flag package in the --flag spelling of
+// the help text and, for a bad value, says what the flag takes.
+func flagError(fs *flag.FlagSet, err error) string {
+	msg := err.Error()
+	if name, ok := strings.CutPrefix(msg, "flag provided but not defined: "); ok {
+		return "unknown flag --" + strings.TrimLeft(name, "-")
+	}
+	if name, ok := strings.CutPrefix(msg, "flag needs an argument: "); ok {
+		return "flag --" + strings.TrimLeft(name, "-") + " needs a value"
+	}
+	if i := strings.Index(msg, " for flag -"); i >= 0 {
+		rest := msg[i+len(" for flag -"):]
+		name, _, _ := strings.Cut(rest, ":")
+		msg = msg[:i] + " for --" + rest
+		if fl := fs.Lookup(name); fl != nil {
+			_, use := flag.UnquoteUsage(fl)
+			msg += " (--" + name + ": " + use + ")"
+		}
+	}
+	return msg
+}
+
+func hasMode(b verify.Backend, m verify.Mode) bool {
+	for _, x := range b.Modes {
+		if x == m {
+			return true
+		}
+	}
+	return false
+}
+
+func joinModes(ms []verify.Mode) string {
+	s := make([]string, len(ms))
+	for i, m := range ms {
+		s[i] = string(m)
+	}
+	return strings.Join(s, " and ")
+}
+
+func runVerify(args []string, stdout, stderr io.Writer) int {
+	f, b, err := parseVerify(args, stdout)
+	if errors.Is(err, flag.ErrHelp) {
+		return exitOK
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup verify: %v\nRun 'dedup verify -h' for the flags.\n", err)
+		return exitUsage
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	// After the first interrupt the run winds down and reports; a second
+	// one kills the process as usual.
+	context.AfterFunc(ctx, stop)
+	ctx, cancel := context.WithTimeout(ctx, f.timeout)
+	defer cancel()
+
+	t, err := b.Open(ctx, verify.OpenOptions{
+		Mode: verify.Mode(f.mode), Path: f.path, Addr: f.addr, Keep: f.keep,
+		Lease: f.cfg.Lease, Messages: f.cfg.Messages,
+	})
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup verify: open the %s store: %v\n", b.Name, err)
+		return exitFail
+	}
+	path := verify.PathOf(t)
+	keptPath := ""
+	if path != "" && (f.keep || f.path != "") {
+		keptPath = path
+	}
+
+	var bar *progressBar
+	if !f.quiet {
+		bar = newProgressBar(stderr)
+		f.cfg.Progress = bar.update
+	}
+	rep, runErr := verify.Run(ctx, f.cfg, t)
+	if bar != nil {
+		bar.finish()
+	}
+	if cerr := t.Close(); cerr != nil {
+		fmt.Fprintf(stderr, "dedup verify: close the %s store: %v\n", b.Name, cerr)
+	}
+	if runErr != nil {
+		fmt.Fprintf(stderr, "dedup verify: %v\n", runErr)
+		return exitFail
+	}
+	rep.Path = keptPath
+
+	if f.json {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			fmt.Fprintf(stderr, "dedup verify: write the report: %v\n", err)
+			return exitFail
+		}
+	} else {
+		writeSummary(stdout, &rep)
+	}
+	switch {
+	case rep.TimedOut:
+		fmt.Fprintf(stderr, "dedup verify: timed out after %v with %d of %d messages unfinished; raise --timeout or lower --messages\n",
+			f.timeout, rep.Unfinished, rep.Messages)
+	case rep.Interrupted:
+		fmt.Fprintf(stderr, "dedup verify: interrupted with %d of %d messages unfinished\n", rep.Unfinished, rep.Messages)
+	}
+	if !rep.OK {
+		return exitFail
+	}
+	return exitOK
+}
+
+// writeSummary prints the report for a person.
+func writeSummary(w io.Writer, r *verify.Report) {
+	p := func(label, format string, args ...any) {
+		fmt.Fprintf(w, "  %-22s %s\n", label, fmt.Sprintf(format, args...))
+	}
+	fmt.Fprintf(w, "dedup verify: %s store, %s mode\n", r.Store, r.Mode)
+	switch r.Mode {
+	case verify.InboxMode:
+		fmt.Fprintln(w, "  (the ledger row and the dedup record commit in one transaction)")
+	case verify.LeaseMode:
+		fmt.Fprintln(w, "  (claim, effect, complete, ack; a crash between the effect and Complete is not injected)")
+	}
+	p("messages", "%d  (%d consumers, dup-rate %v, crash-rate %v, fail-rate %v, lease %s, seed %d)",
+		r.Messages, r.Consumers, r.DupRate, r.CrashRate, r.FailRate, r.Lease, r.Seed)
+	p("deliveries", "%d  (%d broker duplicates, %d redeliveries)", r.Deliveries, r.BrokerDuplicates, r.Redeliveries)
+	p("effects", "%d  (ledger rows)", r.Effects)
+	p("duplicates skipped", "%d", r.DuplicatesSkipped)
+	p("crashes", "%d before commit, %d after commit before ack", r.CrashesBeforeCommit, r.CrashesAfterCommit)
+	if r.Mode == verify.InboxMode {
+		p("takeovers", "%d  (no leases in inbox mode: the transaction is the lease)", r.Takeovers)
+	} else {
+		p("takeovers", "%d  (expired leases of crashed consumers)", r.Takeovers)
+	}
+	p("handler failures", "%d  (released and retried)", r.HandlerFailures)
+	p("in-progress nacks", "%d", r.InProgressNacks)
+	p("store errors", "%d  (nacked: fail closed)", r.StoreErrors)
+	if r.LeasesLost > 0 {
+		p("leases lost", "%d  (taken over while still working)", r.LeasesLost)
+	}
+	p("slowest delivery", "%.1f ms", r.SlowestDeliveryMS)
+	if r.Conflicts > 0 {
+		p("conflicts", "%d  (fingerprint mismatch on identical copies)", r.Conflicts)
+	}
+	if r.FirstError != "" {
+		p("first error", "%s", r.FirstError)
+	}
+	p("lost", "%d%s", r.Lost, sample(r.LostSample))
+	p("double applied", "%d%s", r.DoubleApplied, sample(r.DoubleSample))
+	if r.Unfinished > 0 {
+		p("unfinished", "%d", r.Unfinished)
+	}
+	if r.StrayEffects > 0 {
+		p("stray effects", "%d", r.StrayEffects)
+	}
+	p("time", "%.2f s, %.0f msgs/s", r.Seconds, r.Throughput)
+	if r.Path != "" {
+		p("database", "%s", r.Path)
+	}
+	if r.OK {
+		fmt.Fprintf(w, "PASS: all %d messages applied exactly once\n", r.Messages)
+		return
+	}
+	fmt.Fprintf(w, "FAIL: %s (rerun with --seed %d)\n", strings.Join(r.Violations(), "; "), r.Seed)
+	if r.LeasesLost > 0 && r.Mode == verify.LeaseMode {
+		fmt.Fprintf(w, "hint: %d consumers were still working when their lease (%s) ran out and another took the key over;\n"+
+			"      in lease mode that applies the effect again. Raise --lease above the slowest delivery, or use the inbox.\n",
+			r.LeasesLost, r.Lease)
+	}
+}
+
+func sample(ids []string) string {
+	if len(ids) == 0 {
+		return ""
+	}
+	return "  (e.g. " + strings.Join(ids, ", ") + ")"
+}

@@ -1,0 +1,101 @@
+package verify
+
+import (
+	"fmt"
+	"time"
+)
+
+// Report is the outcome of one run. Its JSON form is the output of
+// `dedup verify --json`.
+type Report struct {
+	// What ran.
+	Store     string  `json:"store"`
+	Mode      Mode    `json:"mode"`
+	Messages  int     `json:"messages"`
+	Consumers int     `json:"consumers"`
+	DupRate   float64 `json:"dup_rate"`
+	CrashRate float64 `json:"crash_rate"`
+	FailRate  float64 `json:"fail_rate"`
+	Lease     string  `json:"lease"`
+	Seed      uint64  `json:"seed"`
+	// Path is the database file, when the store has one and it is kept.
+	Path string `json:"path,omitempty"`
+
+	// What the broker and the consumers did.
+	Deliveries          int `json:"deliveries"`
+	BrokerDuplicates    int `json:"broker_duplicates"`
+	Redeliveries        int `json:"redeliveries"`
+	Effects             int `json:"effects"`
+	DuplicatesSkipped   int `json:"duplicates_skipped"`
+	CrashesBeforeCommit int `json:"crashes_before_commit"`
+	CrashesAfterCommit  int `json:"crashes_after_commit"`
+	Takeovers           int `json:"takeovers"`
+	HandlerFailures     int `json:"handler_failures"`
+	InProgressNacks     int `json:"in_progress_nacks"`
+	StoreErrors         int `json:"store_errors"`
+	LeasesLost          int `json:"leases_lost"`
+	Conflicts           int `json:"conflicts"`
+	// SlowestDeliveryMS is the longest a consumer spent on one delivery,
+	// in milliseconds. In lease mode a delivery slower than the lease can
+	// be taken over while it works.
+	SlowestDeliveryMS float64 `json:"slowest_delivery_ms"`
+	// FirstError is the first store error, lost lease or conflict, if any.
+	FirstError string `json:"first_error,omitempty"`
+
+	// The verdict of the ledger.
+	Lost          int `json:"lost"`
+	DoubleApplied int `json:"double_applied"`
+	// Unfinished counts messages with a delivery still unacknowledged when
+	// the run stopped early; 0 after a complete run.
+	Unfinished int `json:"unfinished"`
+	// StrayEffects counts ledger rows of this run whose message ID was
+	// never published.
+	StrayEffects int      `json:"stray_effects"`
+	LostSample   []string `json:"lost_sample,omitempty"`
+	DoubleSample []string `json:"double_applied_sample,omitempty"`
+	TimedOut     bool     `json:"timed_out"`
+	Interrupted  bool     `json:"interrupted"`
+
+	Seconds float64 `json:"seconds"`
+	// Throughput is messages per second.
+	Throughput float64 `json:"throughput"`
+	// OK is true when every message was applied exactly once and the run
+	// finished.
+	OK bool `json:"ok"`
+}
+
+// sampleSize bounds LostSample and DoubleSample.
+const sampleSize = 5
+
+// Violations lists what went wrong, in words; empty when OK.
+func (r *Report) Violations() []string {
+	var v []string
+	if r.Lost > 0 {
+		v = append(v, fmt.Sprintf("%d messages lost (acknowledged, never applied)", r.Lost))
+	}
+	if r.DoubleApplied > 0 {
+		v = append(v, fmt.Sprintf("%d messages applied more than once", r.DoubleApplied))
+	}
+	if r.StrayEffects > 0 {
+		v = append(v, fmt.Sprintf("%d ledger rows for messages never published", r.StrayEffects))
+	}
+	if r.Conflicts > 0 {
+		v = append(v, fmt.Sprintf("%d fingerprint conflicts on identical copies", r.Conflicts))
+	}
+	if r.TimedOut {
+		v = append(v, fmt.Sprintf("timed out with %d messages unfinished", r.Unfinished))
+	} else if r.Interrupted {
+		v = append(v, fmt.Sprintf("interrupted with %d messages unfinished", r.Unfinished))
+	} else if r.Unfinished > 0 {
+		v = append(v, fmt.Sprintf("%d messages unfinished", r.Unfinished))
+	}
+	return v
+}
+
+func (r *Report) finish(elapsed time.Duration) {
+	r.Seconds = elapsed.Seconds()
+	if r.Seconds > 0 {
+		r.Throughput = float64(r.Messages-r.Unfinished) / r.Seconds
+	}
+	r.OK = len(r.Violations()) == 0
+}
