@@ -1,0 +1,430 @@
+package redisstore
+
+import (
+	"context"
+	"crypto/sha1"
+	"encoding/hex"
+	"errors"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/redis/rueidis"
+)
+
+const storeName = "redis"
+
+// Store is a dedup store on Redis or Redis Cluster. It is safe for
+// concurrent use; concurrent calls share connections and are pipelined.
+type Store struct {
+	client    rueidis.Client
+	ownClient bool
+	prefix    string
+	hold      int64  // ms an expired lease is kept for take-over
+	holdArg   string // hold as a script argument
+	closed    atomic.Bool
+
+	claim, complete, release, extend *script
+}
+
+type config struct {
+	prefix string
+	hold   time.Duration
+}
+
+// Option configures a Store.
+type Option interface{ apply(*config) }
+
+type option func(*config)
+
+func (f option) apply(c *config) { f(c) }
+
+// WithPrefix sets the prefix of every Redis key the store writes. Default
+// "dedup:".
+func WithPrefix(p string) Option { return option(func(c *config) { c.prefix = p }) }
+
+// WithTakeoverHold sets how long an in-progress record outlives its lease.
+// Within the hold an expired lease is taken over with attempt + 1 and a
+// claim with another fingerprint is refused; after it the record is gone
+// and the next claim starts again at attempt 1. Default 1h.
+func WithTakeoverHold(d time.Duration) Option { return option(func(c *config) { c.hold = d }) }
+
+func defaultConfig() config { return config{prefix: "dedup:", hold: time.Hour} }
+
+func (c *config) validate() error {
+	if c.hold < time.Millisecond {
+		return &dedup.ArgumentError{Arg: "redisstore takeover hold", Reason: "must be at least 1ms"}
+	}
+	return nil
+}
+
+// Open connects to Redis with the given rueidis options and returns a store
+// that owns the client: Close closes it. Several InitAddress entries of a
+// cluster make a cluster client. Client-side caching is turned off (the
+// store never reads a key it did not just write through a script).
+func Open(opt rueidis.ClientOption, opts ...Option) (*Store, error) {
+	opt.DisableCache = true
+	c, err := rueidis.NewClient(opt)
+	if err != nil {
+		return nil, &dedup.StoreError{Store: storeName, Op: "open", Err: err, NotApplied: true}
+	}
+	s, err := New(c, opts...)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	s.ownClient = true
+	return s, nil
+}
+
+// New returns a store on a client the caller owns: Close leaves it open.
+func New(c rueidis.Client, opts ...Option) (*Store, error) {
+	if c == nil {
+		return nil, &dedup.ArgumentError{Arg: "redis client", Reason: "is nil"}
+	}
+	cfg := defaultConfig()
+	for _, o := range opts {
+		o.apply(&cfg)
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Store{
+		client:   c,
+		prefix:   cfg.prefix,
+		hold:     cfg.hold.Milliseconds(),
+		holdArg:  strconv.FormatInt(cfg.hold.Milliseconds(), 10),
+		claim:    newScript(claimScript),
+		complete: newScript(completeScript),
+		release:  newScript(releaseScript),
+		extend:   newScript(extendScript),
+	}, nil
+}
+
+// Client returns the underlying client.
+func (s *Store) Client() rueidis.Client { return s.client }
+
+// RedisKey returns the Redis key of k: prefix, the scope's length, the
+// scope and the ID ("dedup:8:payments:evt-1"), so no two keys can collide.
+func (s *Store) RedisKey(k dedup.Key) string {
+	return s.prefix + strconv.Itoa(len(k.Scope)) + ":" + k.Scope + ":" + k.ID
+}
+
+// script is one Lua script sent by SHA (EVALSHA) and resent whole (EVAL)
+// only on NOSCRIPT, which also caches it on that server.
+type script struct {
+	src, sha string
+}
+
+func newScript(src string) *script {
+	sum := sha1.Sum([]byte(src))
+	return &script{src: src, sha: hex.EncodeToString(sum[:])}
+}
+
+func (sc *script) evalsha(c rueidis.Client, keys, args []string) rueidis.Completed {
+	return c.B().Evalsha().Sha1(sc.sha).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
+}
+
+func (sc *script) eval(c rueidis.Client, keys, args []string) rueidis.Completed {
+	return c.B().Eval().Script(sc.src).Numkeys(int64(len(keys))).Key(keys...).Arg(args...).Build()
+}
+
+func (sc *script) exec(ctx context.Context, c rueidis.Client, keys, args []string) rueidis.RedisResult {
+	res := c.Do(ctx, sc.evalsha(c, keys, args))
+	if isNoScript(res.Error()) {
+		res = c.Do(ctx, sc.eval(c, keys, args))
+	}
+	return res
+}
+
+func isNoScript(err error) bool {
+	re, ok := rueidis.IsRedisErr(err)
+	return ok && re.IsNoScript()
+}
+
+func (s *Store) begin(ctx context.Context, op string) error {
+	if s.closed.Load() {
+		return dedup.ErrClosed
+	}
+	if err := ctx.Err(); err != nil {
+		return &dedup.StoreError{Store: storeName, Op: op, Err: err, NotApplied: true}
+	}
+	return nil
+}
+
+func (s *Store) fail(op string, err error) error {
+	if s.closed.Load() {
+		return dedup.ErrClosed
+	}
+	return &dedup.StoreError{Store: storeName, Op: op, Err: err}
+}
+
+func ms(d time.Duration) string {
+	m := d.Milliseconds()
+	if m < 1 {
+		m = 1 // Redis counts milliseconds; round a sub-millisecond lease up
+	}
+	return strconv.FormatInt(m, 10)
+}
+
+// Claim implements [dedup.Store]. It sends one plain command, SET NX GET
+// PX, which atomically either creates the in-progress record (the key was
+// absent) or changes nothing and returns the record it found. A completed
+// record is then a duplicate or a mismatch, and an in-progress record with
+// another fingerprint a mismatch, decided from that one atomic read, with
+// nothing left to write. Only an in-progress record with a matching
+// fingerprint needs a second round trip: the claim script decides, in one
+// atomic step, whether its lease is live or is taken over. So a first claim
+// and a duplicate cost one round trip and one cheap command, and a key in
+// progress costs two.
+func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
+	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := s.begin(ctx, "claim"); err != nil {
+		return dedup.Claim{}, err
+	}
+	tok := dedup.NewToken()
+	rk := s.RedisKey(key)
+	c, inProgress, err := s.firstResult(key, tok, fp, lease, s.client.Do(ctx, s.setNX(rk, &tok, fp, lease)))
+	if err != nil || !inProgress {
+		return c, err
+	}
+	return s.claimResult(key, tok, s.claim.exec(ctx, s.client, []string{rk}, s.claimArgs(tok, fp, lease)))
+}
+
+// setNX is the first command of a claim: create the record with attempt 1
+// unless the key exists, and return what it held.
+func (s *Store) setNX(rk string, tok *dedup.Token, fp dedup.Fingerprint, lease time.Duration) rueidis.Completed {
+	ms := max(lease.Milliseconds(), 1) + s.hold
+	return s.client.B().Set().Key(rk).Value(recordHead((*[16]byte)(tok), s.hold, string(fp))).Nx().Get().PxMilliseconds(ms).Build()
+}
+
+// firstResult reads the reply of setNX. inProgress is set when the key
+// holds an in-progress record with a matching fingerprint, which only the
+// claim script can decide.
+func (s *Store) firstResult(key dedup.Key, tok dedup.Token, fp dedup.Fingerprint, lease time.Duration, res rueidis.RedisResult) (c dedup.Claim, inProgress bool, err error) {
+	v, err := res.ToString()
+	if rueidis.IsRedisNil(err) {
+		return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: tok, Attempt: 1, LeaseUntil: time.Now().Add(lease)}, false, nil
+	}
+	if err != nil {
+		return dedup.Claim{}, false, s.fail("claim", err)
+	}
+	r, ok := parseRecord(v)
+	switch {
+	case !ok:
+		return dedup.Claim{}, false, s.fail("claim", errors.New("key "+s.RedisKey(key)+" holds a value this store did not write"))
+	case !fp.Matches(dedup.Fingerprint(r.fp)):
+		return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, false, nil
+	case r.completed:
+		c = dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt), ExpiresAt: time.UnixMilli(r.n)}
+		if r.result != "" {
+			c.Result = []byte(r.result)
+		}
+		return c, false, nil
+	}
+	return dedup.Claim{}, true, nil
+}
+
+func (s *Store) claimArgs(tok dedup.Token, fp dedup.Fingerprint, lease time.Duration) []string {
+	return []string{recordHead((*[16]byte)(&tok), s.hold, string(fp)), string(tok[:]), ms(lease), s.holdArg, string(fp)}
+}
+
+func (s *Store) claimResult(key dedup.Key, tok dedup.Token, res rueidis.RedisResult) (dedup.Claim, error) {
+	arr, err := res.ToArray()
+	if err != nil {
+		return dedup.Claim{}, s.fail("claim", err)
+	}
+	if len(arr) < 3 {
+		return dedup.Claim{}, s.fail("claim", errors.New("unexpected reply from the claim script"))
+	}
+	code, err1 := arr[0].AsInt64()
+	attempt, err2 := arr[1].AsInt64()
+	left, err3 := arr[2].AsInt64()
+	if err := errors.Join(err1, err2, err3); err != nil {
+		return dedup.Claim{}, s.fail("claim", err)
+	}
+	// The server decided on its own clock; the deadline it reports as time
+	// left is placed on ours, for a Retry-After.
+	until := time.Now().Add(time.Duration(left) * time.Millisecond)
+	c := dedup.Claim{Key: key}
+	switch code {
+	case 1:
+		c.Outcome, c.Token, c.LeaseUntil = dedup.Acquired, tok, until
+		if attempt < 0 {
+			attempt, c.TakenOver = -attempt, true
+		}
+		c.Attempt = int(attempt)
+	case 2:
+		c.Outcome, c.Attempt, c.LeaseUntil = dedup.InProgress, int(attempt), until
+	case 3:
+		c.Outcome, c.Attempt, c.ExpiresAt = dedup.Duplicate, int(attempt), until
+		if len(arr) > 3 {
+			if b, err := arr[3].AsBytes(); err == nil && len(b) > 0 {
+				c.Result = b
+			}
+		}
+	case 4:
+		c.Outcome = dedup.Mismatch
+	default:
+		return dedup.Claim{}, s.fail("claim", errors.New("unexpected outcome code "+strconv.FormatInt(code, 10)))
+	}
+	return c, nil
+}
+
+// ClaimBatch implements [dedup.BatchClaimer]: the first command of every
+// claim in one pipeline, then the claim script for the keys found in
+// progress in a second one (usually there are none). On a cluster the
+// client splits each pipeline by node and slot and puts the replies back
+// in request order. A key repeated in the batch runs in order on its node:
+// the first acquires, the later ones see it in progress.
+func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
+	for _, r := range reqs {
+		if err := dedup.ValidateClaim(r.Key, r.Fingerprint, lease); err != nil {
+			return nil, err
+		}
+	}
+	if err := s.begin(ctx, "claim batch"); err != nil {
+		return nil, err
+	}
+	if len(reqs) == 0 {
+		return []dedup.Claim{}, nil
+	}
+	toks := make([]dedup.Token, len(reqs))
+	keys := make([]string, len(reqs))
+	cmds := make(rueidis.Commands, len(reqs))
+	for i, r := range reqs {
+		toks[i] = dedup.NewToken()
+		keys[i] = s.RedisKey(r.Key)
+		cmds[i] = s.setNX(keys[i], &toks[i], r.Fingerprint, lease)
+	}
+	out := make([]dedup.Claim, len(reqs))
+	var pending []int // in progress: the claim script decides
+	for i, res := range s.client.DoMulti(ctx, cmds...) {
+		c, inProgress, err := s.firstResult(reqs[i].Key, toks[i], reqs[i].Fingerprint, lease, res)
+		if err != nil {
+			return nil, err
+		}
+		if inProgress {
+			pending = append(pending, i)
+		}
+		out[i] = c
+	}
+	if len(pending) == 0 {
+		return out, nil
+	}
+	// A second pipeline, in request order, so a key repeated in the batch
+	// is decided after its first occurrence acquired it.
+	args := make([][]string, len(pending))
+	cmds = cmds[:0]
+	for j, i := range pending {
+		args[j] = s.claimArgs(toks[i], reqs[i].Fingerprint, lease)
+		cmds = append(cmds, s.claim.evalsha(s.client, keys[i:i+1], args[j]))
+	}
+	results := s.client.DoMulti(ctx, cmds...)
+	var again []int
+	for j, res := range results {
+		if isNoScript(res.Error()) {
+			again = append(again, j)
+		}
+	}
+	if len(again) > 0 { // a server without the script: resend those whole, in order
+		cmds = cmds[:0]
+		for _, j := range again {
+			i := pending[j]
+			cmds = append(cmds, s.claim.eval(s.client, keys[i:i+1], args[j]))
+		}
+		for k, res := range s.client.DoMulti(ctx, cmds...) {
+			results[again[k]] = res
+		}
+	}
+	for j, res := range results {
+		i := pending[j]
+		c, err := s.claimResult(reqs[i].Key, toks[i], res)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = c
+	}
+	return out, nil
+}
+
+// Complete implements [dedup.Store].
+func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, retention time.Duration) error {
+	if err := dedup.ValidateComplete(c, retention); err != nil {
+		return err
+	}
+	if err := s.begin(ctx, "complete"); err != nil {
+		return err
+	}
+	res := s.complete.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), string(result), ms(retention)})
+	return s.fenced("complete", res)
+}
+
+// Release implements [dedup.Store]. The next claim starts at attempt 1.
+func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
+	if err := dedup.ValidateRelease(c); err != nil {
+		return err
+	}
+	if err := s.begin(ctx, "release"); err != nil {
+		return err
+	}
+	res := s.release.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:])})
+	return s.fenced("release", res)
+}
+
+// Extend implements [dedup.Extender].
+func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) (dedup.Claim, error) {
+	if err := dedup.ValidateRelease(c); err != nil {
+		return c, err
+	}
+	if err := dedup.ValidateClaim(c.Key, "", lease); err != nil {
+		return c, err
+	}
+	if err := s.begin(ctx, "extend"); err != nil {
+		return c, err
+	}
+	start := time.Now()
+	res := s.extend.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), ms(lease)})
+	if err := s.fenced("extend", res); err != nil {
+		return c, err
+	}
+	c.LeaseUntil = start.Add(lease) // the server's lease starts no earlier than this
+	return c, nil
+}
+
+func (s *Store) fenced(op string, res rueidis.RedisResult) error {
+	n, err := res.AsInt64()
+	switch {
+	case err != nil:
+		return s.fail(op, err)
+	case n == 0:
+		return dedup.ErrLeaseLost
+	}
+	return nil
+}
+
+// Ping implements [dedup.Pinger].
+func (s *Store) Ping(ctx context.Context) error {
+	if err := s.begin(ctx, "ping"); err != nil {
+		return err
+	}
+	if err := s.client.Do(ctx, s.client.B().Ping().Build()).Error(); err != nil {
+		return s.fail("ping", err)
+	}
+	return nil
+}
+
+// Close closes the client if the store opened it. Later calls return
+// [dedup.ErrClosed].
+func (s *Store) Close() error {
+	if s.closed.Swap(true) {
+		return nil
+	}
+	if s.ownClient {
+		s.client.Close()
+	}
+	return nil
+}
