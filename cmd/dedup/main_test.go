@@ -35,7 +35,7 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"--crash-rate", "-0.1"}, []string{"--crash-rate", "between 0 and 1"}},
 		{[]string{"--fail-rate", "2"}, []string{"--fail-rate", "between 0 and 1"}},
 		{[]string{"--crash-rate", "0.5", "--fail-rate", "0.5"}, []string{"--crash-rate plus --fail-rate"}},
-		{[]string{"--store", "redis"}, []string{"--store", "sqlite", "memory", `"redis"`}},
+		{[]string{"--store", "cassandra"}, []string{"--store", "sqlite", "memory", "redis", `"cassandra"`}},
 		{[]string{"--store"}, []string{"--store", "needs a value"}},
 		{[]string{"--mode", "magic"}, []string{"--mode", "inbox or lease"}},
 		{[]string{"--store", "memory", "--mode", "inbox"}, []string{"--mode inbox", "--store memory"}},
