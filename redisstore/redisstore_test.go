@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os/exec"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -124,53 +122,9 @@ func TestConnectionRefused(t *testing.T) {
 	}
 }
 
-// server is a private redis-server, so that a test can flush, stop or
-// freeze it without disturbing the others.
-type server struct {
-	t    testing.TB
-	port string
-	cmd  *exec.Cmd
-}
-
-func startServer(t testing.TB, port string) *server {
-	t.Helper()
-	standaloneAddrs(t) // Redis must be installed and usable here at all
-	if port == "" {
-		port = testenv.FreePort(t)
-	}
-	cmd := exec.Command("redis-server", "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no")
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting redis-server: %v", err)
-	}
-	s := &server{t: t, port: port, cmd: cmd}
-	t.Cleanup(s.stop)
-	for range 100 {
-		if out, err := exec.Command("redis-cli", "-p", port, "ping").Output(); err == nil && strings.TrimSpace(string(out)) == "PONG" {
-			return s
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	t.Fatalf("redis-server on port %s did not answer", port)
-	return nil
-}
-
-func (s *server) addr() []string { return []string{"127.0.0.1:" + s.port} }
-
-func (s *server) stop() {
-	if s.cmd.ProcessState == nil {
-		s.cmd.Process.Signal(syscall.SIGCONT)
-		s.cmd.Process.Kill()
-		s.cmd.Wait()
-	}
-}
-
-func (s *server) cli(args ...string) string {
-	s.t.Helper()
-	out, err := exec.Command("redis-cli", append([]string{"-p", s.port}, args...)...).CombinedOutput()
-	if err != nil {
-		s.t.Fatalf("redis-cli %v: %v %s", args, err, out)
-	}
-	return strings.TrimSpace(string(out))
+func startServer(t testing.TB, port string) *testenv.RedisServer {
+	standaloneAddrs(t) // Redis must be usable here at all
+	return testenv.StartRedis(t, port)
 }
 
 // TestFlushAllLetsDuplicatesThrough documents the weakness of Redis as the
@@ -180,7 +134,7 @@ func (s *server) cli(args ...string) string {
 // fix: a durable layer behind Redis still holds the record.
 func TestFlushAllLetsDuplicatesThrough(t *testing.T) {
 	srv := startServer(t, "")
-	s := open(t, srv.addr())
+	s := open(t, srv.Addrs())
 	ctx := context.Background()
 	k := dedup.Key{Scope: "payments", ID: "evt-1"}
 	c, err := s.Claim(ctx, k, "", time.Minute)
@@ -193,7 +147,7 @@ func TestFlushAllLetsDuplicatesThrough(t *testing.T) {
 	if d, _ := s.Claim(ctx, k, "", time.Minute); d.Outcome != dedup.Duplicate {
 		t.Fatalf("before the flush: %v, want duplicate", d.Outcome)
 	}
-	srv.cli("flushall")
+	srv.CLI("flushall")
 	again, err := s.Claim(ctx, k, "", time.Minute)
 	if err != nil || again.Outcome != dedup.Acquired {
 		t.Fatalf("after FLUSHALL: %v %v; the documented behaviour is that the duplicate passes Redis", again.Outcome, err)
@@ -205,7 +159,7 @@ func TestFlushAllLetsDuplicatesThrough(t *testing.T) {
 // the store works again without a new client.
 func TestServerRestartFailsClosed(t *testing.T) {
 	srv := startServer(t, "")
-	s := open(t, srv.addr())
+	s := open(t, srv.Addrs())
 	ctx := context.Background()
 	r, _ := dedup.NewRunner(s)
 	ran := 0
@@ -213,7 +167,7 @@ func TestServerRestartFailsClosed(t *testing.T) {
 	if _, err := r.Do(ctx, dedup.Key{Scope: "s", ID: "before"}, "", h); err != nil || ran != 1 {
 		t.Fatalf("with Redis up: %v ran %d", err, ran)
 	}
-	srv.stop()
+	srv.Stop()
 	_, err := r.Do(ctx, dedup.Key{Scope: "s", ID: "during"}, "", h)
 	if !dedup.IsStoreError(err) || ran != 1 {
 		t.Fatalf("with Redis down: %v ran %d; want a store error and no run (fail closed)", err, ran)
@@ -221,7 +175,7 @@ func TestServerRestartFailsClosed(t *testing.T) {
 	if c, err := s.Claim(ctx, dedup.Key{Scope: "s", ID: "during"}, "", time.Minute); err == nil || c.Outcome != 0 {
 		t.Fatalf("Claim with Redis down = %v %v", c.Outcome, err)
 	}
-	startServer(t, srv.port)
+	startServer(t, srv.Port)
 	// The first calls after the restart may still meet connections that
 	// died with the old server: each fails closed with a store error. A
 	// delivery that failed at Complete keeps its lease, like any lost
@@ -246,16 +200,16 @@ func TestServerRestartFailsClosed(t *testing.T) {
 // the key: nobody else applies the message until the lease ends.
 func TestTimeoutLostReplyIsProtectedByLease(t *testing.T) {
 	srv := startServer(t, "")
-	s := open(t, srv.addr())
+	s := open(t, srv.Addrs())
 	k := dedup.Key{Scope: "s", ID: "frozen"}
 	if err := s.Ping(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	srv.cmd.Process.Signal(syscall.SIGSTOP)
+	srv.Freeze()
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	_, err := s.Claim(ctx, k, "", time.Minute)
 	cancel()
-	srv.cmd.Process.Signal(syscall.SIGCONT)
+	srv.Thaw()
 	if !dedup.IsStoreError(err) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Claim against a frozen server: %v, want a store error wrapping DeadlineExceeded", err)
 	}
@@ -300,23 +254,23 @@ func TestUseAfterCloseWithBorrowedClient(t *testing.T) {
 // the script whole and every transition still works, single and batched.
 func TestScriptCacheFlushed(t *testing.T) {
 	srv := startServer(t, "")
-	s := open(t, srv.addr())
+	s := open(t, srv.Addrs())
 	ctx := context.Background()
 	k := dedup.Key{Scope: "s", ID: "k"}
 	c, err := s.Claim(ctx, k, "", time.Minute)
 	if err != nil || c.Outcome != dedup.Acquired {
 		t.Fatalf("first claim: %v %v", c.Outcome, err)
 	}
-	srv.cli("script", "flush")
+	srv.CLI("script", "flush")
 	if p, err := s.Claim(ctx, k, "", time.Minute); err != nil || p.Outcome != dedup.InProgress {
 		t.Fatalf("claim of a key in progress after SCRIPT FLUSH: %v %v", p.Outcome, err)
 	}
-	srv.cli("script", "flush")
+	srv.CLI("script", "flush")
 	got, err := s.ClaimBatch(ctx, []dedup.ClaimRequest{{Key: k}, {Key: dedup.Key{Scope: "s", ID: "n"}}}, time.Minute)
 	if err != nil || got[0].Outcome != dedup.InProgress || got[1].Outcome != dedup.Acquired {
 		t.Fatalf("batch after SCRIPT FLUSH: %v %v", got, err)
 	}
-	srv.cli("script", "flush")
+	srv.CLI("script", "flush")
 	if err := s.Complete(ctx, c, []byte("r"), time.Hour); err != nil {
 		t.Fatalf("complete after SCRIPT FLUSH: %v", err)
 	}
