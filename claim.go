@@ -209,6 +209,20 @@ func ValidateClaim(key Key, fp Fingerprint, lease time.Duration) error {
 	return validateDuration("lease", lease)
 }
 
+// ValidateBatch checks the arguments of ClaimBatch: every request as
+// ValidateClaim does. The error names the request's index.
+func ValidateBatch(reqs []ClaimRequest, lease time.Duration) error {
+	for i, r := range reqs {
+		if err := ValidateClaim(r.Key, r.Fingerprint, lease); err != nil {
+			if ae, ok := err.(*ArgumentError); ok {
+				return &ArgumentError{Arg: ae.Arg + " of claim request " + strconv.Itoa(i), Reason: ae.Reason}
+			}
+			return err
+		}
+	}
+	return nil
+}
+
 // ValidateComplete checks the arguments of Complete.
 func ValidateComplete(c Claim, retention time.Duration) error {
 	if err := ValidateRelease(c); err != nil {

@@ -304,10 +304,8 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 // atomically; the batch as a whole is not one atomic step (neither is it
 // in any networked store), which the contract allows.
 func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
-	for _, r := range reqs {
-		if err := dedup.ValidateClaim(r.Key, r.Fingerprint, lease); err != nil {
-			return nil, err
-		}
+	if err := dedup.ValidateBatch(reqs, lease); err != nil {
+		return nil, err
 	}
 	if err := s.begin(ctx, "claim batch"); err != nil {
 		return nil, err

@@ -281,10 +281,8 @@ func (s *Store) claimResult(key dedup.Key, tok dedup.Token, res rueidis.RedisRes
 // in request order. A key repeated in the batch runs in order on its node:
 // the first acquires, the later ones see it in progress.
 func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
-	for _, r := range reqs {
-		if err := dedup.ValidateClaim(r.Key, r.Fingerprint, lease); err != nil {
-			return nil, err
-		}
+	if err := dedup.ValidateBatch(reqs, lease); err != nil {
+		return nil, err
 	}
 	if err := s.begin(ctx, "claim batch"); err != nil {
 		return nil, err

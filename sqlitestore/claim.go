@@ -105,10 +105,8 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 // On error nothing is claimed if the error says so (SafeToRetry); otherwise
 // the claims may have been stored and their leases will expire.
 func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
-	for _, r := range reqs {
-		if err := dedup.ValidateClaim(r.Key, r.Fingerprint, lease); err != nil {
-			return nil, err
-		}
+	if err := dedup.ValidateBatch(reqs, lease); err != nil {
+		return nil, err
 	}
 	if s.closed.Load() {
 		return nil, dedup.ErrClosed
