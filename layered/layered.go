@@ -1,0 +1,457 @@
+package layered
+
+import (
+	"context"
+	"encoding/binary"
+	"hash/maphash"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/window"
+)
+
+// Layer names used in hook events and [Stats].
+const (
+	LayerWindow = "window"
+	LayerBloom  = "bloom"
+)
+
+// Store is a layered deduplicator. As a [dedup.Store] it claims in the
+// fast store and then the durable store (lease mode); [Store.RunInbox]
+// puts the window and the fast store in front of a durable transactional
+// inbox. It is safe for concurrent use.
+type Store struct {
+	win         *window.Window
+	fast        dedup.Store
+	durable     dedup.Store
+	fastName    string
+	durableName string
+	inboxLease  time.Duration
+	clock       dedup.Clock
+	hooks       dedup.Hooks
+	closed      atomic.Bool
+	stats       counters
+
+	// pending maps an acquired durable claim to the fast claim taken with
+	// it, so Complete and Release can finish both.
+	seed    maphash.Seed
+	pending [32]pendingShard
+}
+
+type pendingShard struct {
+	mu sync.Mutex
+	m  map[pendingKey]pendingClaim
+}
+
+type pendingKey struct {
+	key   dedup.Key
+	token dedup.Token
+}
+
+type pendingClaim struct {
+	fast     dedup.Claim // zero when no fast claim was taken
+	fp       dedup.Fingerprint
+	deadline time.Time // forget it after this if nobody finishes the claim
+}
+
+type config struct {
+	win         *window.Window
+	fast        dedup.Store
+	durable     dedup.Store
+	fastName    string
+	durableName string
+	inboxLease  time.Duration
+	clock       dedup.Clock
+	hooks       dedup.Hooks
+}
+
+// Option configures a Store.
+type Option interface{ apply(*config) }
+
+type option func(*config)
+
+func (f option) apply(c *config) { f(c) }
+
+// WithWindow puts an in-process window first. Default none.
+func WithWindow(w *window.Window) Option { return option(func(c *config) { c.win = w }) }
+
+// WithFast puts a fast shared store (usually Redis) before the durable
+// one, named in hooks and stats. Default none.
+func WithFast(s dedup.Store, name string) Option {
+	return option(func(c *config) { c.fast, c.fastName = s, name })
+}
+
+// WithDurable sets the authoritative store for lease mode, named in hooks
+// and stats. Required for Claim; RunInbox brings its own durable step.
+func WithDurable(s dedup.Store, name string) Option {
+	return option(func(c *config) { c.durable, c.durableName = s, name })
+}
+
+// WithInboxLease sets the fast-store lease that RunInbox holds while the
+// durable transaction runs. A crash in between holds redeliveries off for
+// this long. Default 30s.
+func WithInboxLease(d time.Duration) Option { return option(func(c *config) { c.inboxLease = d }) }
+
+// WithClock sets the clock that dates window entries (now + retention). Use
+// the clock of the stores when they take one. Default dedup.SystemClock{}.
+func WithClock(c dedup.Clock) Option { return option(func(cfg *config) { cfg.clock = c }) }
+
+// WithHooks adds observers; every layer reports what it caught under its
+// own name.
+func WithHooks(hs ...dedup.Hook) Option { return option(func(c *config) { c.hooks.Add(hs...) }) }
+
+// New returns a layered Store. It does not own its layers: Close leaves
+// them open.
+func New(opts ...Option) (*Store, error) {
+	cfg := config{fastName: "fast", durableName: "durable", inboxLease: 30 * time.Second, clock: dedup.SystemClock{}}
+	for _, o := range opts {
+		o.apply(&cfg)
+	}
+	switch {
+	case cfg.win == nil && cfg.fast == nil && cfg.durable == nil:
+		return nil, &dedup.ArgumentError{Arg: "layered store", Reason: "has no layer"}
+	case cfg.clock == nil:
+		return nil, &dedup.ArgumentError{Arg: "clock", Reason: "is nil"}
+	case cfg.inboxLease <= 0:
+		return nil, &dedup.ArgumentError{Arg: "inbox lease", Reason: "must be positive"}
+	case cfg.fastName == "" || cfg.durableName == "" || cfg.fastName == cfg.durableName:
+		return nil, &dedup.ArgumentError{Arg: "layer names", Reason: "must be non-empty and distinct"}
+	}
+	s := &Store{win: cfg.win, fast: cfg.fast, durable: cfg.durable, fastName: cfg.fastName,
+		durableName: cfg.durableName, inboxLease: cfg.inboxLease, clock: cfg.clock, hooks: cfg.hooks, seed: maphash.MakeSeed()}
+	for i := range s.pending {
+		s.pending[i].m = make(map[pendingKey]pendingClaim)
+	}
+	return s, nil
+}
+
+// Claim implements [dedup.Store]: window, then fast store, then the
+// durable store, which decides.
+func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
+	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
+		return dedup.Claim{}, err
+	}
+	if s.closed.Load() {
+		return dedup.Claim{}, dedup.ErrClosed
+	}
+	if s.durable == nil {
+		return dedup.Claim{}, &dedup.ArgumentError{Arg: "layered store", Reason: "has no durable store: use WithDurable, or RunInbox"}
+	}
+	if c, done := s.early(ctx, key, fp); done {
+		return c, nil
+	}
+	fc, fastOK := s.claimFast(ctx, key, fp, lease)
+	if fastOK && fc.Outcome != dedup.Acquired {
+		return s.fastAnswer(key, fp, fc), nil
+	}
+	start := time.Now()
+	dc, err := s.durable.Claim(ctx, key, fp, lease)
+	s.observe(ctx, s.durableName, key, dc, err, start)
+	if err != nil {
+		if fastOK {
+			s.releaseFast(ctx, fc)
+		}
+		return dedup.Claim{}, err
+	}
+	switch dc.Outcome {
+	case dedup.Acquired:
+		if !fastOK {
+			fc = dedup.Claim{}
+		}
+		s.remember(dc, fc, fp)
+	case dedup.Duplicate:
+		s.stats.durable.Add(1)
+		s.backfill(ctx, key, fp, fc, fastOK, dc.Result, dc.ExpiresAt)
+	default:
+		if fastOK {
+			s.releaseFast(ctx, fc)
+		}
+	}
+	return dc, nil
+}
+
+// early answers from the window when it can: an exact hit with a matching
+// fingerprint, or a Bloom "maybe" in Lossy mode.
+func (s *Store) early(ctx context.Context, key dedup.Key, fp dedup.Fingerprint) (dedup.Claim, bool) {
+	if s.win == nil {
+		return dedup.Claim{}, false
+	}
+	v, val, has := s.win.Check(key)
+	switch {
+	case v == window.Hit && has:
+		stored, result := decode(val)
+		// The window records the fingerprint the key was completed with
+		// as far as this process knows it (empty when unknown). A claim
+		// without a fingerprint matches any record; one with a fingerprint
+		// only an equal one. Anything else, the stores decide.
+		if fp != "" && string(stored) != string(fp) {
+			return dedup.Claim{}, false
+		}
+		s.stats.window.Add(1)
+		s.duplicate(ctx, LayerWindow, key)
+		c := dedup.Claim{Key: key, Outcome: dedup.Duplicate}
+		if len(result) > 0 {
+			c.Result = append([]byte(nil), result...)
+		}
+		return c, true
+	case v == window.Maybe && s.win.Mode() == window.Lossy:
+		s.stats.bloom.Add(1)
+		s.duplicate(ctx, LayerBloom, key)
+		return dedup.Claim{Key: key, Outcome: dedup.Duplicate}, true
+	case v == window.Maybe:
+		s.stats.suspected.Add(1)
+	}
+	return dedup.Claim{}, false
+}
+
+// claimFast claims in the fast store. ok is false when there is no fast
+// store or it failed: then the durable store decides alone.
+func (s *Store) claimFast(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, bool) {
+	if s.fast == nil {
+		return dedup.Claim{}, false
+	}
+	start := time.Now()
+	c, err := s.fast.Claim(ctx, key, fp, lease)
+	s.observe(ctx, s.fastName, key, c, err, start)
+	if err != nil {
+		s.stats.fastErrors.Add(1)
+		return dedup.Claim{}, false
+	}
+	return c, true
+}
+
+// fastAnswer returns a fast store's final answer: a duplicate (recorded
+// in the window with the claim's fingerprint, which the record matched), a
+// lease held elsewhere, or a mismatch.
+func (s *Store) fastAnswer(key dedup.Key, fp dedup.Fingerprint, fc dedup.Claim) dedup.Claim {
+	if fc.Outcome == dedup.Duplicate {
+		s.stats.fast.Add(1)
+		s.addWindow(key, fp, fc.Result, fc.ExpiresAt)
+	}
+	return fc
+}
+
+// backfill writes a durable duplicate back to the faster layers that had
+// lost it.
+func (s *Store) backfill(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, fc dedup.Claim, fastOK bool, result []byte, expires time.Time) {
+	if fastOK && fc.Outcome == dedup.Acquired {
+		if ret := expires.Sub(s.clock.Now()); !expires.IsZero() && ret > 0 {
+			s.completeFast(ctx, fc, result, ret)
+		} else {
+			s.releaseFast(ctx, fc)
+		}
+	}
+	s.addWindow(key, fp, result, expires)
+}
+
+// Complete implements [dedup.Store]: durable first, then the fast store
+// and the window. Only a durable failure is returned.
+func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, retention time.Duration) error {
+	if err := dedup.ValidateComplete(c, retention); err != nil {
+		return err
+	}
+	if s.closed.Load() {
+		return dedup.ErrClosed
+	}
+	if s.durable == nil {
+		return dedup.ErrLeaseLost
+	}
+	if err := s.durable.Complete(ctx, c, result, retention); err != nil {
+		return err // the fast claim's lease will expire on its own
+	}
+	// Only the first completion of a claim taken here updates the faster
+	// layers; completing again changes nothing, as in every store.
+	if p, ok := s.forget(c); ok {
+		if p.fast.Outcome == dedup.Acquired {
+			s.completeFast(ctx, p.fast, result, retention)
+		}
+		s.addWindow(c.Key, p.fp, result, s.clock.Now().Add(retention))
+	}
+	return nil
+}
+
+// Release implements [dedup.Store].
+func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
+	if err := dedup.ValidateRelease(c); err != nil {
+		return err
+	}
+	if s.closed.Load() {
+		return dedup.ErrClosed
+	}
+	if s.durable == nil {
+		return dedup.ErrLeaseLost
+	}
+	if err := s.durable.Release(ctx, c); err != nil {
+		return err // the claim stays pending: a later Complete may still finish it
+	}
+	if p, ok := s.forget(c); ok {
+		s.releaseFast(ctx, p.fast)
+	}
+	return nil
+}
+
+// Close stops the store; it leaves its layers open (the caller owns them).
+func (s *Store) Close() error {
+	s.closed.Store(true)
+	return nil
+}
+
+// RunInbox runs one message through the window and the fast store, then
+// through durable, the caller's transactional inbox step (for example a
+// closure over sqlitestore's or pgstore's RunInbox with the business
+// handler), which decides. Its Claim is returned as it is, and the faster
+// layers are updated from it: completed (applied or duplicate) keys are
+// recorded in the fast store and the window, anything else releases the
+// fast claim.
+func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration,
+	durable func(ctx context.Context) (dedup.Claim, error)) (dedup.Claim, error) {
+	if err := dedup.ValidateClaim(key, fp, retention); err != nil {
+		return dedup.Claim{}, err
+	}
+	if s.closed.Load() {
+		return dedup.Claim{}, dedup.ErrClosed
+	}
+	if c, done := s.early(ctx, key, fp); done {
+		return c, nil
+	}
+	fc, fastOK := s.claimFast(ctx, key, fp, s.inboxLease)
+	if fastOK && fc.Outcome != dedup.Acquired {
+		return s.fastAnswer(key, fp, fc), nil
+	}
+	start := time.Now()
+	dc, err := durable(ctx)
+	s.observe(ctx, s.durableName, key, dc, err, start)
+	switch {
+	case err != nil:
+		if fastOK {
+			s.releaseFast(ctx, fc)
+		}
+		return dc, err
+	case dc.Outcome == dedup.Acquired:
+		if fastOK {
+			s.completeFast(ctx, fc, dc.Result, retention)
+		}
+		s.addWindow(key, fp, dc.Result, s.clock.Now().Add(retention))
+	case dc.Outcome == dedup.Duplicate:
+		s.stats.durable.Add(1)
+		exp := dc.ExpiresAt
+		if exp.IsZero() {
+			exp = s.clock.Now().Add(retention)
+		}
+		s.backfill(ctx, key, fp, fc, fastOK, dc.Result, exp)
+	default:
+		if fastOK {
+			s.releaseFast(ctx, fc)
+		}
+	}
+	return dc, nil
+}
+
+func (s *Store) completeFast(ctx context.Context, fc dedup.Claim, result []byte, retention time.Duration) {
+	if err := s.fast.Complete(ctx, fc, result, retention); err != nil {
+		s.fastFailed(ctx, "complete", fc.Key, err)
+	}
+}
+
+func (s *Store) releaseFast(ctx context.Context, fc dedup.Claim) {
+	if fc.Outcome != dedup.Acquired {
+		return
+	}
+	if err := s.fast.Release(ctx, fc); err != nil {
+		s.fastFailed(ctx, "release", fc.Key, err)
+	}
+}
+
+func (s *Store) fastFailed(ctx context.Context, op string, key dedup.Key, err error) {
+	s.stats.fastErrors.Add(1)
+	s.hooks.StoreFailed(ctx, dedup.StoreErrorEvent{Store: s.fastName, Op: op, Key: key, Err: err})
+}
+
+func (s *Store) addWindow(key dedup.Key, fp dedup.Fingerprint, result []byte, expires time.Time) {
+	if s.win != nil && !expires.IsZero() {
+		s.win.Add(key, encode(fp, result), expires)
+	}
+}
+
+func (s *Store) duplicate(ctx context.Context, layer string, key dedup.Key) {
+	s.hooks.Claimed(ctx, dedup.ClaimEvent{Store: layer, Key: key, Outcome: dedup.Duplicate})
+}
+
+func (s *Store) observe(ctx context.Context, layer string, key dedup.Key, c dedup.Claim, err error, start time.Time) {
+	if s.hooks.Empty() {
+		return
+	}
+	e := dedup.ClaimEvent{Store: layer, Key: key, Outcome: c.Outcome, Attempt: c.Attempt, TakenOver: c.TakenOver, Duration: time.Since(start), Err: err}
+	if err != nil {
+		e.Outcome = 0
+	}
+	s.hooks.Claimed(ctx, e)
+}
+
+func (s *Store) shard(k pendingKey) *pendingShard {
+	return &s.pending[maphash.String(s.seed, k.key.ID)%uint64(len(s.pending))]
+}
+
+func (s *Store) remember(dc, fc dedup.Claim, fp dedup.Fingerprint) {
+	k := pendingKey{dc.Key, dc.Token}
+	sh := s.shard(k)
+	now := s.clock.Now()
+	sh.mu.Lock()
+	if len(sh.m) >= 1024 { // forget claims that nobody finished
+		for pk, p := range sh.m {
+			if now.After(p.deadline) {
+				delete(sh.m, pk)
+			}
+		}
+	}
+	sh.m[k] = pendingClaim{fast: fc, fp: fp, deadline: dc.LeaseUntil.Add(time.Hour)}
+	sh.mu.Unlock()
+}
+
+func (s *Store) forget(c dedup.Claim) (pendingClaim, bool) {
+	k := pendingKey{c.Key, c.Token}
+	sh := s.shard(k)
+	sh.mu.Lock()
+	p, ok := sh.m[k]
+	delete(sh.m, k)
+	sh.mu.Unlock()
+	return p, ok
+}
+
+// encode packs the fingerprint with the result for the window, so that a
+// window hit can tell a duplicate from a reused key.
+func encode(fp dedup.Fingerprint, result []byte) []byte {
+	b := make([]byte, 0, binary.MaxVarintLen64+len(fp)+len(result))
+	b = binary.AppendUvarint(b, uint64(len(fp)))
+	b = append(b, fp...)
+	return append(b, result...)
+}
+
+func decode(b []byte) (fp, result []byte) {
+	n, w := binary.Uvarint(b)
+	if w <= 0 || uint64(len(b)-w) < n {
+		return []byte("\x00corrupt"), nil // never equals a real fingerprint
+	}
+	return b[w : w+int(n)], b[w+int(n):]
+}
+
+type counters struct {
+	window, bloom, fast, durable, suspected, fastErrors atomic.Int64
+}
+
+// Stats counts the duplicates each layer caught, Bloom "maybe" answers that
+// were only suspected (Confirm mode), and fast-store failures that were
+// passed over.
+type Stats struct {
+	Window, Bloom, Fast, Durable int64
+	Suspected                    int64
+	FastErrors                   int64
+}
+
+// Stats returns the counts so far.
+func (s *Store) Stats() Stats {
+	return Stats{Window: s.stats.window.Load(), Bloom: s.stats.bloom.Load(), Fast: s.stats.fast.Load(),
+		Durable: s.stats.durable.Load(), Suspected: s.stats.suspected.Load(), FastErrors: s.stats.fastErrors.Load()}
+}
