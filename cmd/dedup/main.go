@@ -7,6 +7,10 @@
 //	go run ./cmd/dedup verify
 //	go run ./cmd/dedup verify --store memory --consumers 32 --dup-rate 0.5 --crash-rate 0.05
 //	go run ./cmd/dedup verify --json
+//	go run ./cmd/dedup verify --store postgres --consumers 32 --dup-rate 0.5 --crash-rate 0.05
+//
+// `dedup migrate` creates the PostgreSQL store's schema and `dedup sweep`
+// deletes its expired records in bounded batches.
 //
 // Run `dedup help` for the commands and `dedup verify -h` for the flags.
 //
@@ -41,8 +45,8 @@ func commands() []command {
 	return []command{
 		{"verify", "drive an at-least-once pipeline with injected faults against a store and check every message took effect exactly once", runVerify},
 		{"proxy", "an HTTP idempotency proxy", nil},
-		{"migrate", "create or upgrade the schema of a SQL store", nil},
-		{"sweep", "delete expired records from a store in bounded batches", nil},
+		{"migrate", "create or upgrade the schema of the PostgreSQL store", runMigrate},
+		{"sweep", "delete expired records from the PostgreSQL store in bounded batches", runSweep},
 		{"dlq", "replay dead-lettered messages, keeping their IDs", nil},
 	}
 }

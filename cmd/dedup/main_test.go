@@ -37,6 +37,9 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"--crash-rate", "0.5", "--fail-rate", "0.5"}, []string{"--crash-rate plus --fail-rate"}},
 		{[]string{"--store", "cassandra"}, []string{"--store", "sqlite", "memory", "redis", `"cassandra"`}},
 		{[]string{"--store"}, []string{"--store", "needs a value"}},
+		{[]string{"--store", "memory", "--flush-every", "5"}, []string{"--flush-every", "layered"}},
+		{[]string{"--store", "layered", "--flush-every", "-1"}, []string{"--flush-every"}},
+		{[]string{"--store", "memory", "--addr", "127.0.0.1:1"}, []string{"--addr", "redis"}},
 		{[]string{"--mode", "magic"}, []string{"--mode", "inbox or lease"}},
 		{[]string{"--store", "memory", "--mode", "inbox"}, []string{"--mode inbox", "--store memory"}},
 		{[]string{"--store", "memory", "--path", "x.db"}, []string{"--path"}},
@@ -182,7 +185,7 @@ func TestHelp(t *testing.T) {
 		t.Errorf("no arguments: exit %d, stdout %q, stderr %q", code, stdout, stderr)
 	}
 
-	for _, cmd := range []string{"proxy", "migrate", "sweep", "dlq"} {
+	for _, cmd := range []string{"proxy", "dlq"} {
 		code, _, stderr := runArgs(t, cmd)
 		if code != exitUsage || !strings.Contains(stderr, "not yet implemented") {
 			t.Errorf("%s: exit %d, stderr %q", cmd, code, stderr)

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"sort"
 	"strings"
 	"time"
 
@@ -22,6 +23,7 @@ type verifyFlags struct {
 	mode    string
 	path    string
 	addr    string
+	flush   int
 	keep    bool
 	timeout time.Duration
 	json    bool
@@ -41,7 +43,7 @@ with no unique constraint; at the end each message must have exactly one
 row. A message with none is lost; one with two or more was applied twice.
 
 Modes:
-  inbox  (sqlite) the ledger row is written inside the store's inbox
+  inbox  (sqlite, postgres) the ledger row is written inside the store's inbox
          transaction: the dedup record and the effect commit together.
   lease  (memory, or --store sqlite --mode lease) claim with a lease,
          append to an in-memory ledger, complete, ack. A crash while
@@ -64,10 +66,11 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	d := verify.DefaultConfig()
 	f.cfg = d
 	fs.StringVar(&f.store, "store", "sqlite", "store to verify: "+strings.Join(verify.BackendNames(), ", "))
-	fs.StringVar(&f.mode, "mode", "", "inbox or lease (default: inbox for sqlite, lease for memory)")
+	fs.StringVar(&f.mode, "mode", "", "inbox or lease (default: inbox for sqlite and postgres, lease for memory and redis)")
 	fs.StringVar(&f.path, "path", "", "SQLite database `file` to use and keep (default: a temporary file, removed at exit)")
-	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store, comma-separated for a cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379 for redis)")
-	fs.BoolVar(&f.keep, "keep", false, "keep the temporary database file and print its path")
+	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store: host:port, comma-separated for a Redis cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379), or a PostgreSQL connection string (default: $DEDUP_POSTGRES_URL or postgres://postgres@127.0.0.1:5432/test?sslmode=disable)")
+	fs.IntVar(&f.flush, "flush-every", 0, "for --store layered: flush Redis and empty the window every `N` deliveries (0: never)")
+	fs.BoolVar(&f.keep, "keep", false, "keep the temporary database (SQLite file, or the run's PostgreSQL schema with its dedup and ledger tables) and print where it is")
 	fs.IntVar(&f.cfg.Messages, "messages", d.Messages, "distinct messages to publish (at least 1)")
 	fs.IntVar(&f.cfg.Consumers, "consumers", d.Consumers, "concurrent consumers (at least 1)")
 	fs.Float64Var(&f.cfg.DupRate, "dup-rate", d.DupRate, "probability in [0,1] that the broker delivers a message twice, back to back")
@@ -163,7 +166,10 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 		return f, b, badUsage("--path applies only to a store kept in a file (sqlite), not to --store %s", b.Name)
 	}
 	if f.addr != "" && !b.UsesAddr {
-		return f, b, badUsage("--addr applies only to a store on a server (redis), not to --store %s", b.Name)
+		return f, b, badUsage("--addr applies only to a store on a server (redis, postgres), not to --store %s", b.Name)
+	}
+	if f.flush < 0 || (f.flush > 0 && b.Name != "layered") {
+		return f, b, badUsage("--flush-every applies only to --store layered and takes a count of deliveries >= 0, got %d", f.flush)
 	}
 	if f.timeout <= 0 {
 		return f, b, badUsage("--timeout must be positive, got %v", f.timeout)
@@ -232,7 +238,7 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 	defer cancel()
 
 	t, err := b.Open(ctx, verify.OpenOptions{
-		Mode: verify.Mode(f.mode), Path: f.path, Addr: f.addr, Keep: f.keep,
+		Mode: verify.Mode(f.mode), Path: f.path, Addr: f.addr, FlushEvery: f.flush, Keep: f.keep,
 		Lease: f.cfg.Lease, Messages: f.cfg.Messages,
 	})
 	if err != nil {
@@ -287,6 +293,30 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 }
 
 // writeSummary prints the report for a person.
+// layerLine lists the duplicates each layer caught, cheapest layer first.
+func layerLine(m map[string]int64) string {
+	order := []string{"window", "bloom"}
+	var rest []string
+	for name := range m {
+		if name != "window" && name != "bloom" && name != "durable" && !strings.HasSuffix(name, "_errors") {
+			rest = append(rest, name)
+		}
+	}
+	sort.Strings(rest)
+	order = append(append(order, rest...), "durable")
+	var parts []string
+	for _, name := range order {
+		if n, ok := m[name]; ok {
+			part := fmt.Sprintf("%s %d", name, n)
+			if e := m[name+"_errors"]; e > 0 {
+				part += fmt.Sprintf(" (%d failed calls passed over)", e)
+			}
+			parts = append(parts, part)
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
 func writeSummary(w io.Writer, r *verify.Report) {
 	p := func(label, format string, args ...any) {
 		fmt.Fprintf(w, "  %-22s %s\n", label, fmt.Sprintf(format, args...))
@@ -303,6 +333,12 @@ func writeSummary(w io.Writer, r *verify.Report) {
 	p("deliveries", "%d  (%d broker duplicates, %d redeliveries)", r.Deliveries, r.BrokerDuplicates, r.Redeliveries)
 	p("effects", "%d  (ledger rows)", r.Effects)
 	p("duplicates skipped", "%d", r.DuplicatesSkipped)
+	if len(r.Layers) > 0 {
+		p("caught by layer", "%s", layerLine(r.Layers))
+		if r.Flushes > 0 {
+			p("fast-store flushes", "%d  (each also emptied the window: a failover plus a restart)", r.Flushes)
+		}
+	}
 	p("crashes", "%d before commit, %d after commit before ack", r.CrashesBeforeCommit, r.CrashesAfterCommit)
 	if r.Mode == verify.InboxMode {
 		p("takeovers", "%d  (no leases in inbox mode: the transaction is the lease)", r.Takeovers)

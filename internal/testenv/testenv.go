@@ -7,6 +7,7 @@ package testenv
 
 import (
 	"net"
+	"net/url"
 	"os"
 	"strings"
 	"testing"
@@ -37,6 +38,61 @@ func Addrs(t testing.TB, env, def, service string) []string {
 		c.Close()
 	}
 	return addrs
+}
+
+// DefaultPostgresURL is the PostgreSQL connection string tests use when
+// DEDUP_POSTGRES_URL is not set.
+const DefaultPostgresURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// PostgresURL returns the connection string in DEDUP_POSTGRES_URL (or
+// [DefaultPostgresURL]) after checking that its server accepts TCP
+// connections; like [Addrs], it skips the test or fails it when the server
+// does not answer. A URL or key=value string naming a Unix socket is
+// returned unchecked.
+func PostgresURL(t testing.TB) string {
+	t.Helper()
+	v := os.Getenv("DEDUP_POSTGRES_URL")
+	if v == "" {
+		v = DefaultPostgresURL
+	}
+	if addr := postgresAddr(v); addr != "" {
+		Addrs(t, "DEDUP_POSTGRES_URL", addr, "PostgreSQL")
+	}
+	return v
+}
+
+// postgresAddr returns host:port of the first host in a PostgreSQL
+// connection string, or "" for a Unix socket.
+func postgresAddr(conn string) string {
+	host, port := "", ""
+	if u, err := url.Parse(conn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		hp, _, _ := strings.Cut(u.Host, ",")
+		if h, p, err := net.SplitHostPort(hp); err == nil {
+			host, port = h, p
+		} else {
+			host = hp
+		}
+	} else {
+		for _, kv := range strings.Fields(conn) {
+			k, v, _ := strings.Cut(kv, "=")
+			switch k {
+			case "host":
+				host, _, _ = strings.Cut(v, ",")
+			case "port":
+				port, _, _ = strings.Cut(v, ",")
+			}
+		}
+	}
+	if host == "" {
+		host = "localhost"
+	}
+	if strings.HasPrefix(host, "/") || strings.HasPrefix(host, "%2F") {
+		return ""
+	}
+	if port == "" {
+		port = "5432"
+	}
+	return net.JoinHostPort(strings.Trim(host, "[]"), port)
 }
 
 // FreePort returns a loopback TCP port that was free a moment ago.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"github.com/dedupkit/dedup/memstore"
 	"github.com/dedupkit/dedup/redisstore"
 	"github.com/dedupkit/dedup/sqlitestore"
+	"github.com/dedupkit/dedup/window"
 	"github.com/redis/rueidis"
 )
 
@@ -43,6 +45,9 @@ type OpenOptions struct {
 	// Addr is the server address (comma-separated for a cluster); empty
 	// means the engine's environment variable or its loopback default.
 	Addr string
+	// FlushEvery, for the layered store, flushes its fast store and empties
+	// its window every FlushEvery deliveries; 0 never.
+	FlushEvery int
 	// Keep keeps a temporary database file after Close.
 	Keep bool
 	// Lease is the claim lease of lease mode.
@@ -68,11 +73,28 @@ func Backends() []Backend {
 			Open:    openMemory,
 		},
 		{
+			Name: "layered",
+			Summary: "window -> Redis ($DEDUP_REDIS_ADDR, 127.0.0.1:6379, or --addr) -> the SQLite inbox; " +
+				"--flush-every N deletes this run's Redis keys and empties the window every N deliveries",
+			Modes:    []Mode{InboxMode},
+			UsesPath: true,
+			UsesAddr: true,
+			Open:     openLayered,
+		},
+		{
 			Name:     "redis",
 			Summary:  "the Redis store (redisstore) on $DEDUP_REDIS_ADDR or 127.0.0.1:6379, or --addr; a cluster if several addresses",
 			Modes:    []Mode{LeaseMode},
 			UsesAddr: true,
 			Open:     openRedis,
+		},
+		{
+			Name: "postgres",
+			Summary: "the PostgreSQL store (pgstore) on $DEDUP_POSTGRES_URL or " + DefaultPostgresURL + ", or --addr (a connection string); " +
+				"inbox mode writes the ledger in the same database and transaction; each run works in a schema of its own, dropped at exit unless --keep",
+			Modes:    []Mode{InboxMode, LeaseMode},
+			UsesAddr: true,
+			Open:     openPostgres,
 		},
 	}
 }
@@ -110,17 +132,24 @@ func openMemory(_ context.Context, o OpenOptions) (Target, error) {
 	return t, nil
 }
 
-func openRedis(_ context.Context, o OpenOptions) (Target, error) {
-	addr := o.Addr
+func openRedisStore(addr string, opts ...redisstore.Option) (*redisstore.Store, error) {
 	if addr == "" {
 		addr = os.Getenv("DEDUP_REDIS_ADDR")
 	}
 	if addr == "" {
 		addr = "127.0.0.1:6379"
 	}
-	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: strings.Split(addr, ",")})
+	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: strings.Split(addr, ",")}, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("%w (is Redis running at %s? set --addr or DEDUP_REDIS_ADDR)", err, addr)
+	}
+	return s, nil
+}
+
+func openRedis(_ context.Context, o OpenOptions) (Target, error) {
+	s, err := openRedisStore(o.Addr)
+	if err != nil {
+		return nil, err
 	}
 	t, err := NewLease("redis", s, o.Lease)
 	if err != nil {
@@ -130,7 +159,64 @@ func openRedis(_ context.Context, o OpenOptions) (Target, error) {
 	return t, nil
 }
 
+// openLayered opens window -> Redis -> SQLite inbox. Each run uses its own
+// Redis key prefix, so that flushing is the only way keys go missing.
+func openLayered(ctx context.Context, o OpenOptions) (Target, error) {
+	// A prefix of its own, so that the injected key loss deletes this run's
+	// keys only, never anything else on a shared Redis.
+	prefix := fmt.Sprintf("dedup-verify-%016x:", rand.Uint64())
+	fast, err := openRedisStore(o.Addr, redisstore.WithPrefix(prefix))
+	if err != nil {
+		return nil, err
+	}
+	win, err := window.New(window.WithCapacity(max(o.Messages, 1<<16)))
+	if err != nil {
+		fast.Close()
+		return nil, err
+	}
+	flush := func(ctx context.Context) error { return deletePrefix(ctx, fast.Client(), prefix) }
+	o.Mode = InboxMode
+	return openSQLiteWith(ctx, o, func(ctx context.Context, s *sqlitestore.Store) (Target, error) {
+		return NewLayeredInbox(ctx, "layered", s, win, fast, "redis", o.Lease, flush, o.FlushEvery, func() error {
+			return errors.Join(deletePrefix(context.Background(), fast.Client(), prefix), fast.Close())
+		})
+	})
+}
+
+// deletePrefix deletes every key that starts with prefix on every node:
+// the key loss of a FLUSHALL or a failover, limited to one run's keys.
+func deletePrefix(ctx context.Context, c rueidis.Client, prefix string) error {
+	var errs []error
+	for _, n := range c.Nodes() {
+		var cursor uint64
+		for {
+			e, err := n.Do(ctx, n.B().Scan().Cursor(cursor).Match(prefix+"*").Count(1000).Build()).AsScanEntry()
+			if err != nil {
+				errs = append(errs, err)
+				break
+			}
+			for _, k := range e.Elements {
+				// One key per command: on a cluster each key may live in
+				// another slot.
+				if err := n.Do(ctx, n.B().Unlink().Key(k).Build()).Error(); err != nil {
+					errs = append(errs, err)
+				}
+			}
+			if cursor = e.Cursor; cursor == 0 {
+				break
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
 func openSQLite(ctx context.Context, o OpenOptions) (Target, error) {
+	return openSQLiteWith(ctx, o, nil)
+}
+
+// openSQLiteWith opens the SQLite store (in a temporary file unless o.Path
+// is set) and makes the target with wrap, or in o.Mode when wrap is nil.
+func openSQLiteWith(ctx context.Context, o OpenOptions, wrap func(context.Context, *sqlitestore.Store) (Target, error)) (Target, error) {
 	path, dir := o.Path, ""
 	if path == "" {
 		var err error
@@ -153,10 +239,12 @@ func openSQLite(ctx context.Context, o OpenOptions) (Target, error) {
 		return nil, errors.Join(err, cleanup())
 	}
 	var t Target
-	switch o.Mode {
-	case InboxMode:
+	switch {
+	case wrap != nil:
+		t, err = wrap(ctx, s)
+	case o.Mode == InboxMode:
 		t, err = NewInbox(ctx, "sqlite", s)
-	case LeaseMode:
+	case o.Mode == LeaseMode:
 		t, err = NewLease("sqlite", s, o.Lease)
 	default:
 		err = fmt.Errorf("the sqlite store has no mode %q", o.Mode)
@@ -176,6 +264,14 @@ type fileTarget struct {
 
 // Path returns the database file.
 func (f *fileTarget) Path() string { return f.path }
+
+// LayerStats passes on the layer counts of a layered target.
+func (f *fileTarget) LayerStats() (map[string]int64, int) {
+	if ls, ok := f.Target.(LayerReporter); ok {
+		return ls.LayerStats()
+	}
+	return nil, 0
+}
 
 // Close closes the store and removes the file if it was temporary and not
 // kept.

@@ -38,8 +38,9 @@ const ledgerDDL = `CREATE TABLE IF NOT EXISTS ledger (msg_id TEXT NOT NULL, appl
 // transaction whose delivery is not acknowledged. A handler failure fails
 // before the insert.
 type InboxTarget struct {
-	name  string
-	store InboxStore
+	name   string
+	store  InboxStore
+	layers LayerReporter // set for a layered target
 }
 
 // NewInbox returns an inbox-mode target on s, named name in the report,
@@ -131,3 +132,12 @@ func (t *InboxTarget) Effects(ctx context.Context, prefix string) (map[string]in
 
 // Close closes the store.
 func (t *InboxTarget) Close() error { return t.store.Close() }
+
+// LayerStats reports what each layer of a layered target caught; nil for
+// a plain store.
+func (t *InboxTarget) LayerStats() (map[string]int64, int) {
+	if t.layers == nil {
+		return nil, 0
+	}
+	return t.layers.LayerStats()
+}

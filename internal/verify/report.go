@@ -35,6 +35,11 @@ type Report struct {
 	StoreErrors         int `json:"store_errors"`
 	LeasesLost          int `json:"leases_lost"`
 	Conflicts           int `json:"conflicts"`
+	// Layers counts the duplicates each layer of a layered target caught
+	// (window, bloom, the fast store, the durable store), and Flushes the
+	// fast-store flushes injected; empty for other targets.
+	Layers  map[string]int64 `json:"layers,omitempty"`
+	Flushes int              `json:"flushes,omitempty"`
 	// SlowestDeliveryMS is the longest a consumer spent on one delivery,
 	// in milliseconds. In lease mode a delivery slower than the lease can
 	// be taken over while it works.

@@ -92,6 +92,9 @@ func Run(ctx context.Context, cfg Config, t Target) (Report, error) {
 		return *rep, fmt.Errorf("verify: check the ledger: %w", err)
 	}
 	b.judge(effects)
+	if ls, ok := t.(LayerReporter); ok {
+		rep.Layers, rep.Flushes = ls.LayerStats()
+	}
 	rep.finish(elapsed)
 	return *rep, nil
 }

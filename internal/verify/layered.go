@@ -1,0 +1,124 @@
+package verify
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/layered"
+	"github.com/dedupkit/dedup/window"
+)
+
+// LayerReporter is a target that can say which layer caught how many
+// duplicates, and how many fast-store flushes it injected.
+type LayerReporter interface {
+	LayerStats() (caught map[string]int64, flushes int)
+}
+
+// Flusher empties a fast store, as FLUSHALL or a failover to an empty
+// replica does.
+type Flusher func(ctx context.Context) error
+
+// layeredInbox puts a window and a fast store in front of a SQL store's
+// transactional inbox, through layered.Store.RunInbox, and injects
+// fast-store flushes: every flushEvery deliveries it flushes the fast store
+// and empties the window (a failover together with a consumer restart), so
+// that only the durable inbox stands between a redelivery and a second
+// effect.
+type layeredInbox struct {
+	inner      InboxStore
+	lay        *layered.Store
+	win        *window.Window
+	fastName   string
+	flush      Flusher
+	flushEvery int64
+	closeFast  func() error
+
+	delivered atomic.Int64
+	flushMu   sync.Mutex
+	flushes   int
+}
+
+// NewLayeredInbox returns an inbox-mode target named name: window (may be
+// nil) -> fast store (may be nil) -> inner's inbox. With flush set and
+// flushEvery > 0 it flushes the fast store every flushEvery deliveries.
+// Close closes inner and calls closeFast.
+//
+// lease is the fast-store lease held while the durable transaction runs. It
+// may be short: if it runs out, another consumer gets past the fast store
+// and waits on the durable store's row instead, which still decides.
+func NewLayeredInbox(ctx context.Context, name string, inner InboxStore, win *window.Window, fast dedup.Store,
+	fastName string, lease time.Duration, flush Flusher, flushEvery int, closeFast func() error) (*InboxTarget, error) {
+	opts := []layered.Option{layered.WithInboxLease(lease)}
+	if win != nil {
+		opts = append(opts, layered.WithWindow(win))
+	}
+	if fast != nil {
+		opts = append(opts, layered.WithFast(fast, fastName))
+	}
+	lay, err := layered.New(opts...)
+	if err != nil {
+		return nil, err
+	}
+	l := &layeredInbox{inner: inner, lay: lay, win: win, fastName: fastName, flush: flush,
+		flushEvery: int64(flushEvery), closeFast: closeFast}
+	t, err := NewInbox(ctx, name, l)
+	if err != nil {
+		return nil, err
+	}
+	t.layers = l
+	return t, nil
+}
+
+// RunInbox implements InboxStore through the layers.
+func (l *layeredInbox) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, ret time.Duration,
+	h func(ctx context.Context, tx *sql.Tx) ([]byte, error)) (dedup.Claim, error) {
+	if n := l.delivered.Add(1); l.flush != nil && l.flushEvery > 0 && n%l.flushEvery == 0 {
+		l.flushMu.Lock()
+		if err := l.flush(ctx); err == nil {
+			l.flushes++
+		}
+		if l.win != nil {
+			l.win.Reset()
+		}
+		l.flushMu.Unlock()
+	}
+	return l.lay.RunInbox(ctx, key, fp, ret, func(ctx context.Context) (dedup.Claim, error) {
+		return l.inner.RunInbox(ctx, key, fp, ret, h)
+	})
+}
+
+// DB is the durable store's database, where the ledger lives.
+func (l *layeredInbox) DB() *sql.DB { return l.inner.DB() }
+
+// Close closes the durable store and the fast store.
+func (l *layeredInbox) Close() error {
+	err := l.inner.Close()
+	if l.closeFast != nil {
+		err = errors.Join(err, l.closeFast())
+	}
+	return err
+}
+
+// LayerStats reports what each layer caught.
+func (l *layeredInbox) LayerStats() (map[string]int64, int) {
+	st := l.lay.Stats()
+	m := map[string]int64{"durable": st.Durable}
+	if l.win != nil {
+		m["window"] = st.Window
+		if st.Bloom > 0 {
+			m["bloom"] = st.Bloom
+		}
+	}
+	if l.fastName != "" {
+		m[l.fastName] = st.Fast
+		m[l.fastName+"_errors"] = st.FastErrors
+	}
+	l.flushMu.Lock()
+	defer l.flushMu.Unlock()
+	return m, l.flushes
+}

@@ -1,0 +1,193 @@
+package verify
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/pgstore"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// DefaultPostgresURL is the database verify uses without --addr or
+// $DEDUP_POSTGRES_URL.
+const DefaultPostgresURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// postgresConns is the pool size when the connection string sets none:
+// enough for the consumers of a run to work at once, well under a default
+// server's 100 connections.
+const postgresConns = 16
+
+// openPostgres opens the PostgreSQL store in a schema of its own for this
+// run (dedup_verify_<random>), migrates it and, in inbox mode, creates the
+// ledger table next to the dedup tables so that both are written in one
+// transaction. Close drops the schema unless o.Keep, in which case the
+// summary names it for inspection.
+func openPostgres(ctx context.Context, o OpenOptions) (Target, error) {
+	url := o.Addr
+	if url == "" {
+		url = os.Getenv("DEDUP_POSTGRES_URL")
+	}
+	if url == "" {
+		url = DefaultPostgresURL
+	}
+	cfg, err := pgstore.ParsePoolConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("parse the connection string: %w (set --addr or DEDUP_POSTGRES_URL)", err)
+	}
+	if !strings.Contains(url, "pool_max_conns") {
+		cfg.MaxConns = postgresConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		err = pool.Ping(ctx)
+		if err != nil {
+			pool.Close()
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w (is PostgreSQL running at %s:%d? set --addr or DEDUP_POSTGRES_URL)", err, cfg.ConnConfig.Host, cfg.ConnConfig.Port)
+	}
+	schema := fmt.Sprintf("dedup_verify_%012x", rand.Uint64()>>16)
+	t := &pgTarget{pool: pool, schema: schema, keep: o.Keep}
+	s, err := pgstore.New(pool, pgstore.WithSchema(schema))
+	if err == nil {
+		_, err = s.Migrate(ctx)
+	}
+	if err == nil {
+		switch o.Mode {
+		case InboxMode:
+			t.ledger = pgx.Identifier{schema, "ledger"}.Sanitize()
+			_, err = pool.Exec(ctx, `CREATE TABLE `+t.ledger+` (msg_id text COLLATE "C" NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`)
+			t.Target = &pgInboxTarget{store: s, ledger: t.ledger}
+		case LeaseMode:
+			t.Target, err = NewLease("postgres", s, o.Lease)
+		default:
+			err = fmt.Errorf("the postgres store has no mode %q", o.Mode)
+		}
+	}
+	if err != nil {
+		t.keep = false
+		return nil, errors.Join(err, t.drop())
+	}
+	return t, nil
+}
+
+// pgTarget is a target whose tables live in a schema of their own.
+type pgTarget struct {
+	Target
+	pool   *pgxpool.Pool
+	schema string
+	ledger string // set in inbox mode
+	keep   bool
+}
+
+// Path names where the tables are, for the summary of a kept run.
+func (t *pgTarget) Path() string {
+	where := "PostgreSQL schema " + t.schema + " (dedup tables dedup_records, dedup_retention, dedup_outbox"
+	if t.ledger != "" {
+		where += "; ledger table ledger"
+	}
+	return where + "; drop it with DROP SCHEMA " + t.schema + " CASCADE)"
+}
+
+// Close closes the store and drops the run's schema unless it is kept.
+func (t *pgTarget) Close() error {
+	var err error
+	if t.Target != nil {
+		err = t.Target.Close()
+	}
+	return errors.Join(err, t.drop())
+}
+
+func (t *pgTarget) drop() error {
+	defer t.pool.Close()
+	if t.keep {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := t.pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{t.schema}.Sanitize()+` CASCADE`); err != nil {
+		return fmt.Errorf("drop the run's schema %s: %w", t.schema, err)
+	}
+	return nil
+}
+
+// pgInboxTarget runs pgstore in inbox mode: the ledger row is inserted in
+// the inbox transaction, so the dedup record and the effect commit
+// together or not at all. Faults are injected as in [InboxTarget].
+type pgInboxTarget struct {
+	store  *pgstore.Store
+	ledger string
+}
+
+// Store returns "postgres".
+func (t *pgInboxTarget) Store() string { return "postgres" }
+
+// Mode returns InboxMode.
+func (t *pgInboxTarget) Mode() Mode { return InboxMode }
+
+// Apply runs one delivery through the store's inbox.
+func (t *pgInboxTarget) Apply(ctx context.Context, d Delivery) Result {
+	c, err := t.store.RunInbox(ctx, d.Key, d.Fingerprint, retention, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		if d.Fault == HandlerFailure {
+			return nil, errHandler
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO `+t.ledger+` (msg_id) VALUES ($1)`, d.MsgID); err != nil {
+			return nil, err
+		}
+		if d.Fault == CrashBeforeCommit {
+			return nil, errCrash
+		}
+		return nil, nil
+	})
+	r := Result{TakenOver: c.TakenOver}
+	switch {
+	case errors.Is(err, errCrash):
+		r.Outcome = CrashedBeforeCommit
+	case errors.Is(err, errHandler):
+		r.Outcome = HandlerFailed
+	case err != nil:
+		r.Outcome, r.Err = StoreFailed, err
+	case c.Outcome == dedup.Acquired && d.Fault == CrashAfterCommit:
+		r.Outcome = CrashedAfterCommit
+	case c.Outcome == dedup.Acquired:
+		r.Outcome = Applied
+	case c.Outcome == dedup.Duplicate:
+		r.Outcome = Duplicate
+	case c.Outcome == dedup.InProgress:
+		r.Outcome, r.RetryAfter = InProgress, time.Until(c.LeaseUntil)
+	case c.Outcome == dedup.Mismatch:
+		r.Outcome, r.Err = Conflict, dedup.ErrFingerprintMismatch
+	default:
+		r.Outcome, r.Err = StoreFailed, fmt.Errorf("inbox returned outcome %v", c.Outcome)
+	}
+	return r
+}
+
+// Effects counts the ledger rows per message ID.
+func (t *pgInboxTarget) Effects(ctx context.Context, prefix string) (map[string]int, error) {
+	// A range scan instead of LIKE, so no character of prefix is special.
+	rows, err := t.store.Pool().Query(ctx, `SELECT msg_id, count(*) FROM `+t.ledger+` WHERE msg_id >= $1 AND msg_id < $2 GROUP BY msg_id`,
+		prefix, prefix+"\U0010FFFF")
+	if err != nil {
+		return nil, fmt.Errorf("read ledger: %w", err)
+	}
+	out := map[string]int{}
+	var id string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&id, &n}, func() error { out[id] = n; return nil })
+	if err != nil {
+		return nil, fmt.Errorf("read ledger: %w", err)
+	}
+	return out, nil
+}
+
+// Close closes the store (the pool and the schema are the pgTarget's).
+func (t *pgInboxTarget) Close() error { return t.store.Close() }

@@ -1,0 +1,350 @@
+package pgstore
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/jackc/pgx/v5"
+)
+
+// row is a record as a claim statement returns it.
+type row struct {
+	state       int16
+	token       []byte
+	attempts    int32
+	fingerprint []byte
+	result      []byte
+	leaseUntil  time.Time
+	expiresAt   time.Time
+}
+
+func (r *row) dest() []any {
+	return []any{&r.state, &r.token, &r.attempts, &r.fingerprint, &r.result, &r.leaseUntil, &r.expiresAt}
+}
+
+// errNotReadCommitted is the failure of a partitioned claim outside READ
+// COMMITTED, where the statement does nothing (see partitionedUpsert).
+var errNotReadCommitted = errors.New("the partitioned records table needs READ COMMITTED transactions (the claim checks for a committed record after taking the key's lock, which REPEATABLE READ and SERIALIZABLE snapshots cannot see); nothing was written. Use READ COMMITTED for the inbox transaction, or check default_transaction_isolation")
+
+// outcome turns the row a claim statement returned into a Claim. The caller
+// acquired the key if and only if the row carries its token: the statement
+// decided that, atomically. Otherwise the row is the record that stopped
+// it.
+func outcome(key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, r *row) (dedup.Claim, error) {
+	c := dedup.Claim{Key: key, Attempt: int(r.attempts)}
+	switch {
+	case tok != nil && bytes.Equal(r.token, tok[:]):
+		c.Outcome = dedup.Acquired
+		c.Token = *tok
+		c.TakenOver = r.attempts > 1
+		if r.state == stateInProgress {
+			c.LeaseUntil = r.leaseUntil
+		} else {
+			c.ExpiresAt = r.expiresAt
+		}
+	case !fp.Matches(dedup.Fingerprint(r.fingerprint)):
+		c.Outcome = dedup.Mismatch
+		c.Attempt = 0
+	case r.state == stateInProgress:
+		c.Outcome = dedup.InProgress
+		c.LeaseUntil = r.leaseUntil
+	case r.state == stateCompleted:
+		c.Outcome = dedup.Duplicate
+		if len(r.result) > 0 { // an empty result comes back as nil
+			c.Result = r.result
+		}
+		c.ExpiresAt = r.expiresAt
+	default:
+		return dedup.Claim{}, fmt.Errorf("record of key %s has unknown state %d", key, r.state)
+	}
+	return c, nil
+}
+
+// Claim asks to own key for lease, in one INSERT ... ON CONFLICT DO UPDATE
+// statement (partitioned: in one round trip that takes the key's advisory
+// lock, then claims); see [dedup.Store]. A take-over of an expired lease
+// counts attempt + 1; after Release or an expired completion the count
+// restarts at 1. The lease is measured by the server's clock.
+//
+// A claim that finds the key held or completed still writes a new version
+// of the row (the DO UPDATE sets every column to its own value): that is
+// the price of deciding in one statement that sees the latest committed
+// row; see the package documentation.
+func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
+	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := s.begin(ctx, "claim"); err != nil {
+		return dedup.Claim{}, err
+	}
+	tok := dedup.NewToken()
+	var r row
+	var err error
+	if s.cfg.partition > 0 {
+		err = s.lockedRow(ctx, s.pool, s.keyLock(key), s.sql.pClaim, &r, key.Scope, key.ID, tok[:], fpBytes(fp), micros(lease))
+	} else {
+		err = s.pool.QueryRow(ctx, s.sql.claim, key.Scope, key.ID, tok[:], fpBytes(fp), micros(lease)).Scan(r.dest()...)
+	}
+	if err != nil {
+		return dedup.Claim{}, s.failAuto(ctx, "claim", err)
+	}
+	c, err := outcome(key, fp, &tok, &r)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "claim", err, false)
+	}
+	return c, nil
+}
+
+// batcher is what lockedRow sends its two statements through: the pool
+// (one implicit transaction per batch) or the caller's transaction.
+type batcher interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// lockedRow runs the key's advisory lock and then a partitioned claim
+// statement in one round trip and scans its row. On the pool both run in
+// one implicit transaction (the pipeline ends with a single Sync), so the
+// lock is held until the claim commits; each statement takes its own
+// snapshot, so the claim sees every commit made before the lock.
+func (s *Store) lockedRow(ctx context.Context, b batcher, lock int64, query string, r *row, args ...any) error {
+	var batch pgx.Batch
+	batch.Queue(s.sql.lock, lock)
+	batch.Queue(query, args...)
+	br := b.SendBatch(ctx, &batch)
+	if _, err := br.Exec(); err != nil {
+		br.Close()
+		return err
+	}
+	var scope, id string
+	dest := append([]any{&scope, &id}, r.dest()...)
+	err := br.QueryRow().Scan(dest...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = errNotReadCommitted
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// ClaimBatch claims every request in one statement; see
+// [dedup.BatchClaimer]. The claims are atomic together (one implicit
+// transaction): on error nothing was claimed if the error says
+// SafeToRetry, and otherwise the claims may have been stored and their
+// leases will expire.
+//
+// PostgreSQL refuses to update one row twice in a statement, so a key
+// repeated in the batch is sent once: its first request claims it, and each
+// later request reports what a claim right after the first would have
+// seen: in progress if the first acquired or found it in progress, a
+// duplicate with the stored result if the first found it completed, or a
+// mismatch if its fingerprint differs from the record's. The distinct keys
+// are sent in (scope, id) order, so two batches with keys in common lock
+// them in the same order and cannot deadlock each other.
+func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
+	if err := dedup.ValidateBatch(reqs, lease); err != nil {
+		return nil, err
+	}
+	if err := s.begin(ctx, "claim batch"); err != nil {
+		return nil, err
+	}
+	out := make([]dedup.Claim, len(reqs))
+	if len(reqs) == 0 {
+		return out, nil
+	}
+	// first[i] is the index in reqs of the first request with the key of
+	// reqs[i]; order lists the first requests sorted by key.
+	first := make([]int, len(reqs))
+	seen := make(map[dedup.Key]int, len(reqs))
+	order := make([]int, 0, len(reqs))
+	for i, r := range reqs {
+		if j, ok := seen[r.Key]; ok {
+			first[i] = j
+			continue
+		}
+		seen[r.Key] = i
+		first[i] = i
+		order = append(order, i)
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		if c := strings.Compare(reqs[a].Key.Scope, reqs[b].Key.Scope); c != 0 {
+			return c
+		}
+		return strings.Compare(reqs[a].Key.ID, reqs[b].Key.ID)
+	})
+	n := len(order)
+	scopes, ids := make([]string, n), make([]string, n)
+	tokens, fps := make([][]byte, n), make([][]byte, n)
+	toks := make([]dedup.Token, len(reqs))
+	for j, i := range order {
+		toks[i] = dedup.NewToken()
+		scopes[j], ids[j] = reqs[i].Key.Scope, reqs[i].Key.ID
+		tokens[j], fps[j] = toks[i][:], fpBytes(reqs[i].Fingerprint)
+	}
+	rowsOf := make([]row, len(reqs)) // indexed like reqs; set for first requests
+	got := 0
+	scan := func(rows pgx.Rows) error {
+		var scope, id string
+		var r row
+		dest := append([]any{&scope, &id}, r.dest()...)
+		for rows.Next() {
+			r = row{}
+			if err := rows.Scan(dest...); err != nil {
+				return err
+			}
+			i, ok := seen[dedup.Key{Scope: scope, ID: id}]
+			if !ok {
+				return fmt.Errorf("the batch returned key %s/%s, which it did not send", scope, id)
+			}
+			rowsOf[i] = r
+			got++
+		}
+		return rows.Err()
+	}
+	var err error
+	if s.cfg.partition > 0 {
+		err = s.partitionedBatch(ctx, order, reqs, scopes, ids, tokens, fps, micros(lease), scan)
+	} else {
+		var rows pgx.Rows
+		rows, err = s.pool.Query(ctx, s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease))
+		if err == nil {
+			err = scan(rows)
+			rows.Close()
+			if err == nil {
+				err = rows.Err()
+			}
+		}
+	}
+	if err == nil && got != n {
+		err = fmt.Errorf("the batch returned %d rows for %d keys", got, n)
+		if got == 0 && s.cfg.partition > 0 {
+			err = errNotReadCommitted
+		}
+	}
+	if err != nil {
+		return nil, s.failAuto(ctx, "claim batch", err)
+	}
+	for i, r := range reqs {
+		f := first[i]
+		var tok *dedup.Token
+		if f == i {
+			tok = &toks[i]
+		}
+		rr := rowsOf[f]
+		if f != i && rr.result != nil {
+			rr.result = bytes.Clone(rr.result) // each claim owns its result
+		}
+		if out[i], err = outcome(r.Key, r.Fingerprint, tok, &rr); err != nil {
+			return nil, s.fail(ctx, "claim batch", err, false)
+		}
+	}
+	return out, nil
+}
+
+// partitionedBatch locks the keys of a batch (sorted, distinct lock keys)
+// and claims them, in one round trip and one implicit transaction.
+func (s *Store) partitionedBatch(ctx context.Context, order []int, reqs []dedup.ClaimRequest, scopes, ids []string, tokens, fps [][]byte, lease int64, scan func(pgx.Rows) error) error {
+	locks := make([]int64, len(order))
+	for j, i := range order {
+		locks[j] = s.keyLock(reqs[i].Key)
+	}
+	slices.Sort(locks)
+	locks = slices.Compact(locks)
+	var batch pgx.Batch
+	batch.Queue(s.sql.lockMany, locks)
+	batch.Queue(s.sql.pClaimBatch, scopes, ids, tokens, fps, lease)
+	br := s.pool.SendBatch(ctx, &batch)
+	defer br.Close()
+	if _, err := br.Exec(); err != nil {
+		return err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		return err
+	}
+	err = scan(rows)
+	rows.Close()
+	if err == nil {
+		err = rows.Err()
+	}
+	if err == nil {
+		err = br.Close()
+	}
+	return err
+}
+
+// Complete marks an acquired claim completed with result, kept for
+// retention (or the scope's retention window, if longer; see
+// [Store.SetRetention]), in one UPDATE fenced by the claim's token; see
+// [dedup.Store]. It returns [dedup.ErrLeaseLost] when the token no longer
+// owns the record. A lease that ran out but was not taken over may still
+// complete; completing twice with the same token changes nothing.
+func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, retention time.Duration) error {
+	if err := dedup.ValidateComplete(c, retention); err != nil {
+		return err
+	}
+	if err := s.begin(ctx, "complete"); err != nil {
+		return err
+	}
+	tag, err := s.pool.Exec(ctx, s.sql.complete, c.Key.Scope, c.Key.ID, c.Token[:], result, micros(retention))
+	if err != nil {
+		return s.failAuto(ctx, "complete", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return dedup.ErrLeaseLost
+	}
+	return nil
+}
+
+// Release removes an acquired claim that is still in progress, in one
+// DELETE fenced by its token; the next claim acquires at once with attempt
+// 1. It never removes a completed record: that, or a token that no longer
+// owns the record, gives [dedup.ErrLeaseLost].
+func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
+	if err := dedup.ValidateRelease(c); err != nil {
+		return err
+	}
+	if err := s.begin(ctx, "release"); err != nil {
+		return err
+	}
+	tag, err := s.pool.Exec(ctx, s.sql.release, c.Key.Scope, c.Key.ID, c.Token[:])
+	if err != nil {
+		return s.failAuto(ctx, "release", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return dedup.ErrLeaseLost
+	}
+	return nil
+}
+
+// Extend moves the lease of an acquired claim that is still in progress to
+// now + lease on the server's clock, in one UPDATE fenced by its token, and
+// returns the claim with its new LeaseUntil; see [dedup.Extender]. A lease
+// that ran out but was not taken over can still be extended.
+func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) (dedup.Claim, error) {
+	if err := dedup.ValidateRelease(c); err != nil {
+		return dedup.Claim{}, err
+	}
+	if lease <= 0 {
+		return dedup.Claim{}, &dedup.ArgumentError{Arg: "lease", Reason: "must be positive, got " + lease.String()}
+	}
+	if err := s.begin(ctx, "extend"); err != nil {
+		return dedup.Claim{}, err
+	}
+	var until time.Time
+	err := s.pool.QueryRow(ctx, s.sql.extend, c.Key.Scope, c.Key.ID, c.Token[:], micros(lease)).Scan(&until)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return dedup.Claim{}, dedup.ErrLeaseLost
+	}
+	if err != nil {
+		return dedup.Claim{}, s.failAuto(ctx, "extend", err)
+	}
+	c.LeaseUntil = until
+	return c, nil
+}

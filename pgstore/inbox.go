@@ -1,0 +1,351 @@
+package pgstore
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/dedupkit/dedup"
+	"github.com/jackc/pgx/v5"
+)
+
+// An InboxHandler applies one message inside the caller's transaction. It
+// returns the result to store with the record (replayed to duplicates; may
+// be nil) or an error, which makes the caller roll back.
+type InboxHandler = func(ctx context.Context, tx pgx.Tx) ([]byte, error)
+
+// An SQLInboxHandler is an [InboxHandler] for a database/sql transaction.
+type SQLInboxHandler = func(ctx context.Context, tx *sql.Tx) ([]byte, error)
+
+// Inbox deduplicates one message inside the caller's transaction tx and,
+// if the message is new, applies it there with h.
+//
+// In one statement it inserts the record for key directly as completed,
+// kept for retention (or the scope's retention window if longer): the
+// transaction is the lease, so no in-progress state is needed. It acquires
+// the key when the record is absent, completed and expired, or in progress
+// under an expired lease with a matching fingerprint (a take-over of a
+// crashed lease-mode owner). Then:
+//
+//   - Acquired: h runs on tx. On success its result is stored with the
+//     record and Inbox returns a Claim with Outcome Acquired, Result (h's
+//     result) and ExpiresAt; commit tx to make the record and h's writes
+//     durable together. If h fails, Inbox returns h's error unchanged and
+//     the caller must roll back: no record remains, and the redelivery
+//     applies the message.
+//   - Duplicate, InProgress (a [Store.Claim] owner holds a live lease) or
+//     Mismatch: h does not run and the error is nil; see [dedup.Claim].
+//     The conflict is resolved by ON CONFLICT DO UPDATE, which never
+//     raises, so tx is still usable (a plain INSERT's unique violation
+//     would abort it). tx keeps a lock on the record until it ends.
+//
+// A concurrent transaction with the same key blocks on the primary key
+// index (partitioned store: on the key's advisory lock) until tx ends, then
+// sees a duplicate if tx committed, or acquires if it rolled back. Use
+// READ COMMITTED, PostgreSQL's default: under REPEATABLE READ or
+// SERIALIZABLE that concurrent transaction fails with a serialization
+// error (SQLSTATE 40001) instead, to be retried like any write conflict
+// at those levels, and the partitioned store refuses to run.
+//
+// Inbox takes a pgx.Tx rather than anything that can run a query on
+// purpose: on a pool or a connection in autocommit the record would commit
+// before h ran, and a failing h would lose the message. It never begins,
+// commits or rolls back tx, and runs no DDL. A store failure gives a
+// [*dedup.StoreError]; roll back.
+func (s *Store) Inbox(ctx context.Context, tx pgx.Tx, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, h InboxHandler) (dedup.Claim, error) {
+	if tx == nil {
+		return dedup.Claim{}, &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
+	}
+	if err := validateInbox(key, fp, retention, h == nil); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := s.begin(ctx, "inbox"); err != nil {
+		return dedup.Claim{}, err
+	}
+	c, herr, serr := s.inbox(ctx, tx, key, fp, retention, h)
+	if serr != nil {
+		return dedup.Claim{}, serr
+	}
+	if herr != nil {
+		return dedup.Claim{}, herr
+	}
+	return c, nil
+}
+
+// inbox does the work of Inbox and keeps the handler's error (herr) apart
+// from the store's (serr).
+func (s *Store) inbox(ctx context.Context, tx pgx.Tx, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, h InboxHandler) (c dedup.Claim, herr error, serr *dedup.StoreError) {
+	tok := dedup.NewToken()
+	var r row
+	var err error
+	if s.cfg.partition > 0 {
+		err = s.lockedRow(ctx, tx, s.keyLock(key), s.sql.pInbox, &r, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention))
+	} else {
+		err = tx.QueryRow(ctx, s.sql.inbox, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention)).Scan(r.dest()...)
+	}
+	if err != nil {
+		return c, nil, s.fail(ctx, "inbox", err, false)
+	}
+	if c, err = outcome(key, fp, &tok, &r); err != nil {
+		return c, nil, s.fail(ctx, "inbox", err, false)
+	}
+	if c.Outcome != dedup.Acquired {
+		return c, nil, nil
+	}
+	out, err := h(ctx, tx)
+	if err != nil {
+		return dedup.Claim{}, err, nil
+	}
+	if out != nil {
+		tag, err := tx.Exec(ctx, s.sql.inboxResult, key.Scope, key.ID, tok[:], out)
+		if err == nil && tag.RowsAffected() != 1 {
+			err = errors.New("the handler removed or changed the inbox record of key " + key.String())
+		}
+		if err != nil {
+			return dedup.Claim{}, nil, s.fail(ctx, "inbox result", err, false)
+		}
+	}
+	c.Result = out
+	return c, nil, nil
+}
+
+// InboxSQL is [Store.Inbox] for a database/sql transaction on the same
+// database, such as one from pgx's stdlib adapter
+// (stdlib.OpenDBFromPool(store.Pool())). Its statements use only scalar
+// parameters, so any PostgreSQL driver for database/sql works.
+func (s *Store) InboxSQL(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, h SQLInboxHandler) (dedup.Claim, error) {
+	if tx == nil {
+		return dedup.Claim{}, &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
+	}
+	if err := validateInbox(key, fp, retention, h == nil); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := s.begin(ctx, "inbox"); err != nil {
+		return dedup.Claim{}, err
+	}
+	tok := dedup.NewToken()
+	var r row
+	var err error
+	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention)}
+	if s.cfg.partition > 0 {
+		if _, err = tx.ExecContext(ctx, s.sql.lock, s.keyLock(key)); err == nil {
+			var scope, id string
+			err = tx.QueryRowContext(ctx, s.sql.pInbox, args...).Scan(append([]any{&scope, &id}, r.dest()...)...)
+			if errors.Is(err, sql.ErrNoRows) {
+				err = errNotReadCommitted
+			}
+		}
+	} else {
+		err = tx.QueryRowContext(ctx, s.sql.inbox, args...).Scan(r.dest()...)
+	}
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox", err, false)
+	}
+	c, err := outcome(key, fp, &tok, &r)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox", err, false)
+	}
+	if c.Outcome != dedup.Acquired {
+		return c, nil
+	}
+	out, err := h(ctx, tx)
+	if err != nil {
+		return dedup.Claim{}, err
+	}
+	if out != nil {
+		res, err := tx.ExecContext(ctx, s.sql.inboxResult, key.Scope, key.ID, tok[:], out)
+		if err == nil {
+			var n int64
+			if n, err = res.RowsAffected(); err == nil && n != 1 {
+				err = errors.New("the handler removed or changed the inbox record of key " + key.String())
+			}
+		}
+		if err != nil {
+			return dedup.Claim{}, s.fail(ctx, "inbox result", err, false)
+		}
+	}
+	c.Result = out
+	return c, nil
+}
+
+// RunInbox runs [Store.Inbox] in a transaction of its own on the store's
+// pool: it begins the transaction (READ COMMITTED), runs Inbox, and commits
+// if h ran and succeeded. For a duplicate, an in-progress key or a
+// mismatch nothing was written and the transaction is rolled back; the
+// Claim says which. If h fails (or panics) the transaction is rolled back
+// and h's error returned unchanged; nothing remains, and the redelivery
+// applies the message.
+//
+// A store error before the commit is NotApplied: the transaction never
+// committed. A failed commit is NotApplied only when PostgreSQL reported
+// the rollback; otherwise (the connection broke during COMMIT) the outcome
+// is unknown, and the record and h's writes are committed together or not
+// at all, so the redelivery finds out which.
+func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, h InboxHandler) (dedup.Claim, error) {
+	if err := validateInbox(key, fp, retention, h == nil); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := s.begin(ctx, "inbox"); err != nil {
+		return dedup.Claim{}, err
+	}
+	tx, err := s.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox begin", err, true)
+	}
+	done := false
+	defer func() {
+		if !done {
+			// A handler error or panic: without a commit nothing is
+			// applied, whatever Rollback says.
+			rollback(ctx, tx)
+		}
+	}()
+	c, herr, serr := s.inbox(ctx, tx, key, fp, retention, h)
+	if serr != nil {
+		done = true
+		rollback(ctx, tx)
+		serr.NotApplied = true // never committed
+		return dedup.Claim{}, serr
+	}
+	if herr != nil {
+		return dedup.Claim{}, herr
+	}
+	done = true
+	if c.Outcome != dedup.Acquired {
+		rollback(ctx, tx) // nothing to keep; releases the row lock
+		return c, nil
+	}
+	if err := tx.Commit(ctx); err != nil {
+		certain := errors.Is(err, pgx.ErrTxCommitRollback) || statementFailed(err)
+		return dedup.Claim{}, s.fail(ctx, "inbox commit", err, certain)
+	}
+	return c, nil
+}
+
+// rollback ends tx, on a context that outlives a cancelled ctx.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(rctx)
+}
+
+func validateInbox(key dedup.Key, fp dedup.Fingerprint, retention time.Duration, noHandler bool) error {
+	if noHandler {
+		return &dedup.ArgumentError{Arg: "handler", Reason: "is nil"}
+	}
+	if retention <= 0 {
+		return &dedup.ArgumentError{Arg: "retention", Reason: "must be positive, got " + retention.String()}
+	}
+	return dedup.ValidateClaim(key, fp, retention)
+}
+
+// An OutboxMessage is one outgoing message, written to the outbox table in
+// the caller's transaction for a relay to publish after the commit.
+type OutboxMessage struct {
+	// Key is the stable ID of the logical event, which the relay publishes
+	// as the message ID on every attempt, so that consumers deduplicate
+	// its retries. Empty: a random ID is drawn once, here, and stored with
+	// the row (never per publish attempt).
+	Key string
+	// Aggregate names the entity the message is about ("order/42"), for
+	// a relay that keeps per-aggregate order. Optional.
+	Aggregate string
+	// Topic is where the relay publishes it. Required.
+	Topic string
+	// Payload is the message body.
+	Payload []byte
+	// Headers are published with the message.
+	Headers map[string]string
+}
+
+func (m *OutboxMessage) args() ([]any, error) {
+	if m.Topic == "" {
+		return nil, &dedup.ArgumentError{Arg: "outbox topic", Reason: "is empty"}
+	}
+	key := m.Key
+	if key == "" {
+		key = "outbox:" + dedup.NewToken().String()
+	}
+	check := func(arg, v string) error {
+		if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
+			return &dedup.ArgumentError{Arg: arg, Reason: "is not valid UTF-8 or contains NUL"}
+		}
+		return nil
+	}
+	for _, f := range []struct{ arg, v string }{{"outbox key", key}, {"outbox aggregate", m.Aggregate}, {"outbox topic", m.Topic}} {
+		if err := check(f.arg, f.v); err != nil {
+			return nil, err
+		}
+	}
+	for k, v := range m.Headers {
+		if err := check("outbox header "+k, k+v); err != nil {
+			return nil, err
+		}
+	}
+	headers := []byte("{}")
+	if len(m.Headers) > 0 {
+		var err error
+		if headers, err = json.Marshal(m.Headers); err != nil {
+			return nil, &dedup.ArgumentError{Arg: "outbox headers", Reason: err.Error()}
+		}
+	}
+	payload := m.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	return []any{key, m.Aggregate, m.Topic, payload, string(headers)}, nil
+}
+
+// EnqueueOutbox writes msgs to the outbox table in the caller's
+// transaction tx, in one round trip: call it from an [InboxHandler] so
+// that the outgoing messages commit with the business write and the inbox
+// record, or not at all. Like Inbox it takes a transaction, never a pool.
+func (s *Store) EnqueueOutbox(ctx context.Context, tx pgx.Tx, msgs ...OutboxMessage) error {
+	if tx == nil {
+		return &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
+	}
+	var b pgx.Batch
+	for i := range msgs {
+		args, err := msgs[i].args()
+		if err != nil {
+			return err
+		}
+		b.Queue(s.sql.outbox, args...)
+	}
+	if err := s.begin(ctx, "outbox"); err != nil || len(msgs) == 0 {
+		return err
+	}
+	if err := tx.SendBatch(ctx, &b).Close(); err != nil {
+		return s.fail(ctx, "outbox", err, false)
+	}
+	return nil
+}
+
+// EnqueueOutboxSQL is [Store.EnqueueOutbox] for a database/sql
+// transaction.
+func (s *Store) EnqueueOutboxSQL(ctx context.Context, tx *sql.Tx, msgs ...OutboxMessage) error {
+	if tx == nil {
+		return &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
+	}
+	all := make([][]any, len(msgs))
+	for i := range msgs {
+		args, err := msgs[i].args()
+		if err != nil {
+			return err
+		}
+		all[i] = args
+	}
+	if err := s.begin(ctx, "outbox"); err != nil {
+		return err
+	}
+	for _, args := range all {
+		if _, err := tx.ExecContext(ctx, s.sql.outbox, args...); err != nil {
+			return s.fail(ctx, "outbox", err, false)
+		}
+	}
+	return nil
+}

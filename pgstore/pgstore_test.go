@@ -1,0 +1,199 @@
+package pgstore_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/pgstore"
+	"github.com/dedupkit/dedup/storetest"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+const (
+	fpA = dedup.Fingerprint("sha256:aaaa")
+	fpB = dedup.Fingerprint("sha256:bbbb")
+	day = 24 * time.Hour
+)
+
+var (
+	poolOnce   sync.Once
+	sharedPool *pgxpool.Pool
+	poolErr    error
+)
+
+// testPool returns the package's shared pool on DEDUP_POSTGRES_URL,
+// skipping the test when the server does not answer.
+func testPool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	url := testenv.PostgresURL(t)
+	poolOnce.Do(func() {
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			poolErr = err
+			return
+		}
+		if !strings.Contains(url, "pool_max_conns") {
+			cfg.MaxConns = 24
+		}
+		sharedPool, poolErr = pgxpool.NewWithConfig(context.Background(), cfg)
+	})
+	if poolErr != nil {
+		t.Fatalf("connect to %s: %v", url, poolErr)
+	}
+	return sharedPool
+}
+
+// newPool returns a pool of its own with at most maxConns connections,
+// closed at the end of the test.
+func newPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	url := testenv.PostgresURL(t)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = maxConns
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+// freshSchema returns the name of a new, empty schema for one test, dropped
+// with everything in it when the test ends. Tests run in parallel with
+// other packages' tests on the same server; schemas keep them apart.
+func freshSchema(t testing.TB, pool *pgxpool.Pool) string {
+	t.Helper()
+	name := strings.Map(func(r rune) rune {
+		switch {
+		case 'a' <= r && r <= 'z', '0' <= r && r <= '9':
+			return r
+		case 'A' <= r && r <= 'Z':
+			return r + 'a' - 'A'
+		}
+		return '_'
+	}, t.Name())
+	if len(name) > 30 {
+		name = name[:30]
+	}
+	name = fmt.Sprintf("dedup_t_%s_%08x", name, rand.Uint32())
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{name}.Sanitize()+` CASCADE`); err != nil {
+			t.Errorf("drop schema %s: %v", name, err)
+		}
+	})
+	return name
+}
+
+// mode is one layout of the records table.
+type mode struct {
+	name string
+	opts []pgstore.Option
+}
+
+var modes = []mode{
+	{"plain", nil},
+	{"partitioned", []pgstore.Option{pgstore.WithPartitions(time.Hour), pgstore.WithPartitionsAhead(3 * time.Hour)}},
+}
+
+// forModes runs f as a parallel subtest for each layout.
+func forModes(t *testing.T, f func(t *testing.T, m mode)) {
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			t.Parallel()
+			f(t, m)
+		})
+	}
+}
+
+// openStore returns a migrated store in a fresh schema on the shared pool.
+func openStore(t testing.TB, opts ...pgstore.Option) *pgstore.Store {
+	t.Helper()
+	pool := testPool(t)
+	return openStoreOn(t, pool, freshSchema(t, pool), opts...)
+}
+
+// openStoreOn returns a migrated store in schema on pool.
+func openStoreOn(t testing.TB, pool *pgxpool.Pool, schema string, opts ...pgstore.Option) *pgstore.Store {
+	t.Helper()
+	s, err := pgstore.New(pool, append([]pgstore.Option{pgstore.WithSchema(schema)}, opts...)...)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if _, err := s.Migrate(context.Background()); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	return s
+}
+
+// records returns the table that holds s's records.
+func records(s *pgstore.Store) string {
+	if s.Partitioned() {
+		return s.Tables().RecordsPartitioned
+	}
+	return s.Tables().Records
+}
+
+func key(id string) dedup.Key { return dedup.Key{Scope: "payments/consumer", ID: id} }
+
+func mustClaim(t testing.TB, s *pgstore.Store, id string, fp dedup.Fingerprint, lease time.Duration, want dedup.Outcome) dedup.Claim {
+	t.Helper()
+	c, err := s.Claim(context.Background(), key(id), fp, lease)
+	if err != nil {
+		t.Fatalf("Claim(%s): %v", id, err)
+	}
+	if c.Outcome != want {
+		t.Fatalf("Claim(%s) = %v, want %v", id, c.Outcome, want)
+	}
+	return c
+}
+
+func queryInt(t testing.TB, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := q.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+// countRecords counts the rows of key id in s's records table.
+func countRecords(t testing.TB, s *pgstore.Store, id string) int {
+	t.Helper()
+	return queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE scope = $1 AND id = $2`, key(id).Scope, id)
+}
+
+// TestConformance runs the store contract's suite against both layouts,
+// each in a schema of its own shared by the suite's parallel tests (each
+// of which works in a scope of its own). Leases are real: the server's
+// clock rules, so the suite sleeps past its 200ms leases.
+func TestConformance(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		pool := testPool(t)
+		schema := freshSchema(t, pool)
+		openStoreOn(t, pool, schema, m.opts...) // migrates
+		storetest.Run(t, func(t testing.TB, _ *storetest.Clock) dedup.Store {
+			s, err := pgstore.New(pool, append([]pgstore.Option{pgstore.WithSchema(schema)}, m.opts...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { s.Close() })
+			return s
+		}, storetest.Features{Extend: true, BatchClaim: true, Sweep: true})
+	})
+}

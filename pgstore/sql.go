@@ -1,0 +1,223 @@
+package pgstore
+
+import (
+	"strconv"
+	"strings"
+)
+
+// statements holds the SQL of every transition, rendered once per store
+// with its table names. pgx prepares and caches each on every connection.
+type statements struct {
+	// Plain records table: one statement each.
+	claim, inbox, claimBatch string
+	// Partitioned table: run after the key's advisory lock (lock or
+	// lockMany) in the same transaction, in a later statement so that its
+	// snapshot sees every commit made before the lock was granted.
+	pClaim, pInbox, pClaimBatch string
+	lock, lockMany              string
+	// Token-fenced transitions, on whichever table the store uses.
+	complete, release, extend, inboxResult string
+	sweep                                  string
+	outbox                                 string
+}
+
+// The columns every claim returns, in the order scanRow reads them.
+const returning = `state, token, attempts, fingerprint, result, lease_until, expires_at`
+
+// now is the statement's time on the server: fixed for the whole
+// statement, so every CASE of one upsert agrees, and never the client's.
+const now = `statement_timestamp()`
+
+// usec turns a microseconds parameter or literal into an interval.
+func usec(x string) string { return `(` + x + ` * interval '1 microsecond')` }
+
+// acquirable is the condition under which a claim may take the record r
+// for a request with fingerprint fp: completed and expired (any
+// fingerprint), or in progress under an expired lease with a matching
+// fingerprint (either empty, or equal). It reads r as it was before the
+// statement changed it.
+func acquirable(r, fp string) string {
+	return `((` + r + `.state = 2 AND ` + r + `.expires_at <= ` + now + `) OR (` + r + `.state = 1 AND ` + r + `.lease_until <= ` + now +
+		` AND (` + r + `.fingerprint = ''::bytea OR ` + fp + ` = ''::bytea OR ` + r + `.fingerprint = ` + fp + `)))`
+}
+
+// retentionFor is the retention of a completion in scope: what the caller
+// asked for (param, microseconds), raised to the scope's window if it has
+// a longer one.
+func retentionFor(n *names, scope, param string) string {
+	return `GREATEST(` + usec(param+`::int8`) + `, COALESCE((SELECT w.retention FROM ` + n.retention + ` w WHERE w.scope = ` + scope + `), interval '0'))`
+}
+
+// kind says which record a claim statement inserts.
+type kind struct {
+	state      string // "1" lease mode, "2" inbox (completed at once)
+	leaseUntil string
+	expiresAt  string
+}
+
+func leaseKind(leaseParam string, grace int64) kind {
+	g := strconv.FormatInt(grace, 10)
+	return kind{
+		state:      "1",
+		leaseUntil: now + ` + ` + usec(leaseParam+`::int8`),
+		expiresAt:  now + ` + ` + usec(`(`+leaseParam+`::int8 + `+g+`)`),
+	}
+}
+
+func inboxKind(n *names, scope, retentionParam string) kind {
+	return kind{state: "2", leaseUntil: now, expiresAt: now + ` + ` + retentionFor(n, scope, retentionParam)}
+}
+
+// upsertSet is the DO UPDATE of a plain-table claim. When the existing
+// row r is acquirable every column takes the new record's value (a
+// take-over of an in-progress record counts attempt + 1 and keeps its
+// fingerprint unless it was empty; a record over a completed one starts
+// at attempt 1); otherwise every column keeps its value. PostgreSQL
+// evaluates every right-hand side against the row as it was.
+func upsertSet() string {
+	acq := acquirable("r", "excluded.fingerprint")
+	return `ON CONFLICT (scope, id) DO UPDATE SET
+	state       = CASE WHEN ` + acq + ` THEN excluded.state ELSE r.state END,
+	token       = CASE WHEN ` + acq + ` THEN excluded.token ELSE r.token END,
+	fingerprint = CASE WHEN ` + acq + ` AND (r.state = 2 OR r.fingerprint = ''::bytea) THEN excluded.fingerprint ELSE r.fingerprint END,
+	result      = CASE WHEN ` + acq + ` THEN NULL ELSE r.result END,
+	lease_until = CASE WHEN ` + acq + ` THEN excluded.lease_until ELSE r.lease_until END,
+	expires_at  = CASE WHEN ` + acq + ` THEN excluded.expires_at ELSE r.expires_at END,
+	attempts    = CASE WHEN ` + acq + ` THEN CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END ELSE r.attempts END,
+	created_at  = CASE WHEN ` + acq + ` AND r.state = 2 THEN excluded.created_at ELSE r.created_at END`
+}
+
+const columns = `(scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)`
+
+// plainUpsert is the one statement of a claim or inbox step on the plain
+// table: $1 scope, $2 id, $3 token, $4 fingerprint, then the kind's
+// parameter ($5: lease or retention in microseconds).
+func plainUpsert(n *names, k kind) string {
+	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
+VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
+` + upsertSet() + `
+RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
+}
+
+// plainBatch claims the keys of four parallel arrays ($1 scopes, $2 ids,
+// $3 tokens, $4 fingerprints; $5 lease) in one statement. The keys must
+// be distinct: PostgreSQL refuses to update one row twice in a statement.
+func plainBatch(n *names, k kind) string {
+	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
+SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
+` + upsertSet() + `
+RETURNING r.scope, r.id, r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
+}
+
+// partitionedUpsert is the claim on the partitioned table, for the keys of
+// the CTE source u (scope, id, token, fp). It must run after the advisory
+// lock of every key in u, in a later statement of the same READ COMMITTED
+// transaction, so that its snapshot sees every commit made before the lock
+// was granted: no other claim of these keys can run until it commits.
+//
+// cur locks the key's current row, wherever its partition; the LATERAL
+// join makes it one primary key probe per key and partition, whatever the
+// planner thinks of the batch's size. An acquirable
+// row is deleted and the new record inserted in the partition of now, so a
+// partition only ever receives rows while it is current and every old
+// partition drains until it can be dropped. A key with no row gets a new
+// one. Rows that are not acquirable come back as they are.
+//
+// u is empty unless the transaction is READ COMMITTED: under REPEATABLE
+// READ the snapshot predates the lock and the check could miss a
+// committed row, so the statement then does nothing and the caller
+// reports it.
+func partitionedUpsert(n *names, k kind, source string) string {
+	acq := acquirable("r", "u.fp")
+	return `WITH u AS (` + source + `
+	WHERE current_setting('transaction_isolation') = 'read committed'),
+cur AS (
+	SELECT r.scope, r.id, r.created_at, r.state, r.token, r.fingerprint, r.result, r.lease_until, r.expires_at, r.attempts,
+		` + acq + ` AS acq
+	FROM u CROSS JOIN LATERAL (
+		SELECT * FROM ` + n.recordsP + ` x WHERE x.scope = u.scope AND x.id = u.id FOR UPDATE) r),
+del AS (
+	DELETE FROM ` + n.recordsP + ` d USING cur
+	WHERE cur.acq AND d.scope = cur.scope AND d.id = cur.id AND d.created_at = cur.created_at),
+ins AS (
+	INSERT INTO ` + n.recordsP + ` ` + columns + `
+	SELECT u.scope, u.id, ` + k.state + `, u.token,
+		CASE WHEN c.state = 1 AND c.fingerprint <> ''::bytea THEN c.fingerprint ELSE u.fp END,
+		NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `,
+		CASE WHEN c.state = 1 THEN c.attempts + 1 ELSE 1 END,
+		` + now + `
+	FROM u LEFT JOIN cur c ON c.scope = u.scope AND c.id = u.id
+	WHERE c.scope IS NULL OR c.acq
+	RETURNING scope, id, ` + returning + `)
+SELECT scope, id, ` + returning + ` FROM ins
+UNION ALL
+SELECT scope, id, ` + returning + ` FROM cur WHERE NOT acq`
+}
+
+const (
+	// scalarSource is u for one key: $1 scope, $2 id, $3 token, $4 fp.
+	scalarSource = `SELECT $1::text AS scope, $2::text AS id, $3::bytea AS token, $4::bytea AS fp`
+	// arraySource is u for a batch of distinct keys.
+	arraySource = `SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)`
+)
+
+func buildStatements(n *names, cfg *config) statements {
+	grace := micros(cfg.grace)
+	table := n.records
+	if cfg.partition > 0 {
+		table = n.recordsP
+	}
+	st := statements{
+		claim:       plainUpsert(n, leaseKind("$5", grace)),
+		inbox:       plainUpsert(n, inboxKind(n, "$1::text", "$5")),
+		claimBatch:  plainBatch(n, leaseKind("$5", grace)),
+		pClaim:      partitionedUpsert(n, leaseKind("$5", grace), scalarSource),
+		pInbox:      partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
+		pClaimBatch: partitionedUpsert(n, leaseKind("$5", grace), arraySource),
+		lock:        `SELECT pg_advisory_xact_lock($1::int8)`,
+		// The keys come sorted and distinct, so that two batches lock
+		// their common keys in the same order and cannot deadlock.
+		lockMany: `SELECT count(pg_advisory_xact_lock(k)) FROM unnest($1::int8[]) WITH ORDINALITY AS t(k, o)`,
+		// Complete: fenced by the token. A second Complete with the same
+		// token matches the row and changes nothing, because the CASEs
+		// only write while it is in progress.
+		complete: `UPDATE ` + table + ` SET
+	result     = CASE WHEN state = 1 THEN $4::bytea ELSE result END,
+	expires_at = CASE WHEN state = 1 THEN ` + now + ` + ` + retentionFor(n, "$1::text", "$5") + ` ELSE expires_at END,
+	state      = 2
+WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
+		release: `DELETE FROM ` + table + ` WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1`,
+		extend: `UPDATE ` + table + ` SET lease_until = ` + now + ` + ` + usec("$4::int8") + `,
+	expires_at = ` + now + ` + ` + usec("($4::int8 + "+strconv.FormatInt(grace, 10)+")") + `
+WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1
+RETURNING lease_until`,
+		inboxResult: `UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 2`,
+		outbox: `INSERT INTO ` + n.outbox + ` (message_key, aggregate, topic, payload, headers)
+VALUES ($1::text, $2::text, $3::text, $4::bytea, $5::text::jsonb)`,
+	}
+	// Sweep: one bounded statement that skips rows other transactions hold
+	// (a claim about to take one over), so it never waits on a lock and
+	// never makes a claim wait long. It reports how many rows it deleted
+	// and how late: the lag between each row's expiry and its deletion.
+	var pick, match string
+	if cfg.partition > 0 {
+		// ctid is not unique across partitions: match by primary key.
+		pick = `SELECT scope, id, created_at FROM ` + table + ` WHERE expires_at <= ` + now + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
+		match = `(scope, id, created_at) IN (` + pick + `)`
+	} else {
+		pick = `SELECT ctid FROM ` + table + ` WHERE expires_at <= ` + now + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
+		match = `ctid = ANY (ARRAY(` + pick + `))`
+	}
+	st.sweep = `WITH d AS (
+	DELETE FROM ` + table + ` WHERE ` + match + ` AND expires_at <= ` + now + `
+	RETURNING expires_at)
+SELECT count(*)::int8,
+	COALESCE((EXTRACT(EPOCH FROM ` + now + ` - min(expires_at)) * 1000000)::int8, 0),
+	COALESCE((EXTRACT(EPOCH FROM avg(` + now + ` - expires_at)) * 1000000)::int8, 0)
+FROM d`
+	return st
+}
+
+// sqlLiteral quotes s as an SQL string literal.
+func sqlLiteral(s string) string { return `'` + strings.ReplaceAll(s, `'`, `''`) + `'` }
