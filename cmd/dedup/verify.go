@@ -84,26 +84,6 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	return fs
 }
 
-func verifyUsage(w io.Writer, fs *flag.FlagSet) {
-	fmt.Fprint(w, verifyAbout)
-	fs.VisitAll(func(fl *flag.Flag) {
-		name, use := flag.UnquoteUsage(fl)
-		if name != "" {
-			name = " " + name
-		}
-		line := "  --" + fl.Name + name
-		if len(line) < 22 {
-			line += strings.Repeat(" ", 22-len(line))
-		} else {
-			line += "\n" + strings.Repeat(" ", 22)
-		}
-		if fl.DefValue != "" && fl.DefValue != "false" && fl.DefValue != "0" {
-			use += " (default " + fl.DefValue + ")"
-		}
-		fmt.Fprintln(w, line+wrap(use, 22, 79))
-	})
-}
-
 // wrap breaks s into lines of at most width columns, indenting every line
 // after the first by indent spaces.
 func wrap(s string, indent, width int) string {
@@ -138,7 +118,7 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 	fs := newVerifyFlagSet(&f)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			verifyUsage(stdout, fs)
+			printUsage(stdout, verifyAbout, fs)
 			return f, verify.Backend{}, err
 		}
 		return f, verify.Backend{}, badUsage("%s", flagError(fs, err))
