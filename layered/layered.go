@@ -292,6 +292,37 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	return nil
 }
 
+// Extend implements [dedup.Extender] when the durable store does: it
+// extends the durable lease, which decides, then the fast store's lease if
+// it can (a failure there is only reported).
+func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) (dedup.Claim, error) {
+	if err := dedup.ValidateRelease(c); err != nil {
+		return c, err
+	}
+	if s.closed.Load() {
+		return c, dedup.ErrClosed
+	}
+	ext, ok := s.durable.(dedup.Extender)
+	if !ok {
+		return c, &dedup.ArgumentError{Arg: "layered store", Reason: "its durable store cannot extend leases"}
+	}
+	c2, err := ext.Extend(ctx, c, lease)
+	if err != nil {
+		return c, err
+	}
+	k := pendingKey{c.Key, c.Token}
+	sh := s.shard(k)
+	sh.mu.Lock()
+	p, found := sh.m[k]
+	sh.mu.Unlock()
+	if fe, ok := s.fast.(dedup.Extender); ok && found && p.fast.Outcome == dedup.Acquired {
+		if _, err := fe.Extend(ctx, p.fast, lease); err != nil {
+			s.fastFailed(ctx, "extend", c.Key, err)
+		}
+	}
+	return c2, nil
+}
+
 // Close stops the store; it leaves its layers open (the caller owns them).
 func (s *Store) Close() error {
 	s.closed.Store(true)

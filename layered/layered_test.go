@@ -57,7 +57,7 @@ func TestConformance(t *testing.T) {
 			layered.WithFast(mem(t, clock), "fast"),
 			layered.WithDurable(mem(t, clock), "durable"),
 			layered.WithClock(clock))
-	}, storetest.Features{ManualClock: true})
+	}, storetest.Features{ManualClock: true, Extend: true})
 }
 
 // TestConformanceWindowAndDurable: a Confirm-mode window straight in
