@@ -168,6 +168,51 @@ type Pinger interface {
 	Ping(ctx context.Context) error
 }
 
+// A ClaimedRecord is a key's record as a single-statement claim reports it: an
+// upsert that takes the row only when it is acquirable and returns the row
+// as it ended up (SQL's INSERT ... ON CONFLICT DO UPDATE ... RETURNING).
+// Stores that decide that way turn it into the caller's Claim with
+// [ClaimedRecord.ClaimFor], so every such store reads the answer the same way.
+type ClaimedRecord struct {
+	Completed   bool
+	Token       []byte
+	Attempts    int
+	Fingerprint Fingerprint
+	Result      []byte
+	LeaseUntil  time.Time
+	ExpiresAt   time.Time
+}
+
+// ClaimFor returns the Claim of the caller that tried to acquire key with
+// fp and the new token own. The caller acquired the key if and only if the
+// record carries own (the statement decided that, atomically); otherwise
+// the record is the one that stopped it: a mismatch if the fingerprints
+// disagree, else in progress or a duplicate. Pass the zero Token for a
+// caller that did not run the statement itself (a key repeated in a batch).
+// Result is returned as is (the caller's copy) and nil when empty.
+func (r *ClaimedRecord) ClaimFor(key Key, fp Fingerprint, own Token) Claim {
+	c := Claim{Key: key, Attempt: r.Attempts}
+	switch {
+	case !own.IsZero() && string(r.Token) == string(own[:]):
+		c.Outcome, c.Token, c.TakenOver = Acquired, own, r.Attempts > 1
+		if r.Completed { // an inbox record, completed at once
+			c.ExpiresAt = r.ExpiresAt
+		} else {
+			c.LeaseUntil = r.LeaseUntil
+		}
+	case !fp.Matches(r.Fingerprint):
+		c.Outcome, c.Attempt = Mismatch, 0
+	case !r.Completed:
+		c.Outcome, c.LeaseUntil = InProgress, r.LeaseUntil
+	default:
+		c.Outcome, c.ExpiresAt = Duplicate, r.ExpiresAt
+		if len(r.Result) > 0 {
+			c.Result = r.Result
+		}
+	}
+	return c
+}
+
 // ClaimBatch claims reqs on s in one round trip when s is a [BatchClaimer],
 // and one by one otherwise, with the same per-key results.
 func ClaimBatch(ctx context.Context, s Store, reqs []ClaimRequest, lease time.Duration) ([]Claim, error) {

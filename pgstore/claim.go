@@ -32,38 +32,20 @@ func (r *row) dest() []any {
 // COMMITTED, where the statement does nothing (see partitionedUpsert).
 var errNotReadCommitted = errors.New("the partitioned records table needs READ COMMITTED transactions (the claim checks for a committed record after taking the key's lock, which REPEATABLE READ and SERIALIZABLE snapshots cannot see); nothing was written. Use READ COMMITTED for the inbox transaction, or check default_transaction_isolation")
 
-// outcome turns the row a claim statement returned into a Claim. The caller
-// acquired the key if and only if the row carries its token: the statement
-// decided that, atomically. Otherwise the row is the record that stopped
-// it.
+// outcome turns the row a claim statement returned into a Claim (see
+// dedup.ClaimedRecord.ClaimFor). tok is nil for a key repeated in a batch, which
+// did not run the statement itself.
 func outcome(key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, r *row) (dedup.Claim, error) {
-	c := dedup.Claim{Key: key, Attempt: int(r.attempts)}
-	switch {
-	case tok != nil && bytes.Equal(r.token, tok[:]):
-		c.Outcome = dedup.Acquired
-		c.Token = *tok
-		c.TakenOver = r.attempts > 1
-		if r.state == stateInProgress {
-			c.LeaseUntil = r.leaseUntil
-		} else {
-			c.ExpiresAt = r.expiresAt
-		}
-	case !fp.Matches(dedup.Fingerprint(r.fingerprint)):
-		c.Outcome = dedup.Mismatch
-		c.Attempt = 0
-	case r.state == stateInProgress:
-		c.Outcome = dedup.InProgress
-		c.LeaseUntil = r.leaseUntil
-	case r.state == stateCompleted:
-		c.Outcome = dedup.Duplicate
-		if len(r.result) > 0 { // an empty result comes back as nil
-			c.Result = r.result
-		}
-		c.ExpiresAt = r.expiresAt
-	default:
+	if r.state != stateInProgress && r.state != stateCompleted {
 		return dedup.Claim{}, fmt.Errorf("record of key %s has unknown state %d", key, r.state)
 	}
-	return c, nil
+	var own dedup.Token
+	if tok != nil {
+		own = *tok
+	}
+	rec := dedup.ClaimedRecord{Completed: r.state == stateCompleted, Token: r.token, Attempts: int(r.attempts),
+		Fingerprint: dedup.Fingerprint(r.fingerprint), Result: r.result, LeaseUntil: r.leaseUntil, ExpiresAt: r.expiresAt}
+	return rec.ClaimFor(key, fp, own), nil
 }
 
 // Claim asks to own key for lease, in one INSERT ... ON CONFLICT DO UPDATE

@@ -1,7 +1,6 @@
 package sqlitestore
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -29,41 +28,17 @@ func upsert(ctx context.Context, st *sql.Stmt, key dedup.Key, fp dedup.Fingerpri
 	return r, err
 }
 
-// outcome turns the row returned by an upsert into a Claim. The caller
-// acquired the key if and only if the row carries its token; the statement
-// decided that, atomically. Otherwise the row is the record that stopped
-// it: in progress (or a mismatch) or completed (a duplicate, or a
-// mismatch). Database/sql's Scan has already copied the result bytes.
+// outcome turns the row returned by an upsert into a Claim (see
+// dedup.ClaimedRecord.ClaimFor). Database/sql's Scan has already copied the
+// result bytes.
 func outcome(key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, r *row) (dedup.Claim, error) {
-	c := dedup.Claim{Key: key, Attempt: int(r.attempts)}
-	switch {
-	case bytes.Equal(r.token, tok[:]):
-		c.Outcome = dedup.Acquired
-		c.Token = *tok
-		c.TakenOver = r.attempts > 1
-		if r.state == stateInProgress {
-			c.LeaseUntil = fromNanos(r.leaseUntil)
-		} else {
-			c.ExpiresAt = fromNanos(r.expiresAt)
-		}
-	case !fp.Matches(dedup.Fingerprint(r.fingerprint)):
-		c.Outcome = dedup.Mismatch
-	case r.state == stateInProgress:
-		c.Outcome = dedup.InProgress
-		c.LeaseUntil = fromNanos(r.leaseUntil)
-	case r.state == stateCompleted:
-		c.Outcome = dedup.Duplicate
-		if len(r.result) > 0 { // an empty result comes back as nil
-			c.Result = r.result
-		}
-		c.ExpiresAt = fromNanos(r.expiresAt)
-	default:
+	if r.state != stateInProgress && r.state != stateCompleted {
 		return dedup.Claim{}, errors.New("record of key " + key.String() + " has unknown state")
 	}
-	if c.Outcome == dedup.Mismatch {
-		c.Attempt = 0
-	}
-	return c, nil
+	rec := dedup.ClaimedRecord{Completed: r.state == stateCompleted, Token: r.token, Attempts: int(r.attempts),
+		Fingerprint: dedup.Fingerprint(r.fingerprint), Result: r.result,
+		LeaseUntil: fromNanos(r.leaseUntil), ExpiresAt: fromNanos(r.expiresAt)}
+	return rec.ClaimFor(key, fp, *tok), nil
 }
 
 // Claim asks to own key for lease, in one INSERT ... ON CONFLICT DO UPDATE
