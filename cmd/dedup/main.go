@@ -44,7 +44,7 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"verify", "drive an at-least-once pipeline with injected faults against a store and check every message took effect exactly once", runVerify},
-		{"proxy", "an HTTP idempotency proxy", nil},
+		{"proxy", "an HTTP idempotency reverse proxy: Idempotency-Key semantics in front of any HTTP service", runProxy},
 		{"migrate", "create or upgrade the schema of the PostgreSQL store", runMigrate},
 		{"sweep", "delete expired records from the PostgreSQL store in bounded batches", runSweep},
 		{"dlq", "replay dead-lettered messages, keeping their IDs", nil},

@@ -185,7 +185,7 @@ func TestHelp(t *testing.T) {
 		t.Errorf("no arguments: exit %d, stdout %q, stderr %q", code, stdout, stderr)
 	}
 
-	for _, cmd := range []string{"proxy", "dlq"} {
+	for _, cmd := range []string{"dlq"} {
 		code, _, stderr := runArgs(t, cmd)
 		if code != exitUsage || !strings.Contains(stderr, "not yet implemented") {
 			t.Errorf("%s: exit %d, stderr %q", cmd, code, stderr)

@@ -1,0 +1,339 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+)
+
+// upstream is a test service that counts the POSTs it serves.
+type upstream struct {
+	runs   atomic.Int64
+	status atomic.Int64 // 0: 201
+	delay  atomic.Int64 // nanoseconds
+	srv    *httptest.Server
+}
+
+func newUpstream(t *testing.T) *upstream {
+	u := &upstream{}
+	u.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if r.Method == http.MethodGet {
+			fmt.Fprintf(w, "get %s", r.URL.Path)
+			return
+		}
+		n := u.runs.Add(1)
+		if d := time.Duration(u.delay.Load()); d > 0 {
+			select {
+			case <-time.After(d):
+			case <-r.Context().Done():
+			}
+		}
+		st := int(u.status.Load())
+		if st == 0 {
+			st = http.StatusCreated
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(st)
+		json.NewEncoder(w).Encode(map[string]any{"run": n, "tenant": r.Header.Get("X-Tenant"), "body": string(body)})
+	}))
+	t.Cleanup(u.srv.Close)
+	return u
+}
+
+// startProxy runs `dedup proxy` with args on a free port until the test
+// ends (or stop is called) and returns its base URL.
+func startProxy(t *testing.T, args ...string) (base string, stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	addr := make(chan string, 1)
+	done := make(chan int, 1)
+	var stderr syncBuffer
+	go func() {
+		done <- serveProxy(ctx, append([]string{"--listen", "127.0.0.1:0"}, args...), io.Discard, &stderr, func(a string) { addr <- a })
+	}()
+	select {
+	case a := <-addr:
+		base = "http://" + a
+	case code := <-done:
+		cancel()
+		t.Fatalf("proxy exited with %d: %s", code, stderr.String())
+	}
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if code := <-done; code != exitOK {
+				t.Errorf("proxy exit %d: %s", code, stderr.String())
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return base, stop
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+type reply struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func send(t *testing.T, method, url, key, body string, hdr ...string) reply {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Error(err)
+		return reply{}
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return reply{resp.StatusCode, resp.Header, string(b)}
+}
+
+func TestProxyConcurrentOneKey(t *testing.T) {
+	up := newUpstream(t)
+	up.delay.Store(int64(50 * time.Millisecond))
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key")
+	const n = 50
+	replies := make([]reply, n)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			replies[i] = send(t, "POST", base+"/charges", `"charge-1"`, `{"amount":100}`)
+		})
+	}
+	close(start)
+	wg.Wait()
+	if got := up.runs.Load(); got != 1 {
+		t.Fatalf("upstream ran %d times, want exactly 1", got)
+	}
+	var first string
+	for _, r := range replies {
+		switch r.status {
+		case http.StatusCreated:
+			if first == "" {
+				first = r.body
+			} else if r.body != first {
+				t.Errorf("different bodies: %q vs %q", r.body, first)
+			}
+		case http.StatusConflict:
+			if r.header.Get("Retry-After") == "" {
+				t.Errorf("409 without Retry-After")
+			}
+		default:
+			t.Errorf("status %d %q", r.status, r.body)
+		}
+	}
+	if first == "" {
+		t.Fatal("no client got the upstream's response")
+	}
+	r := send(t, "POST", base+"/charges", `"charge-1"`, `{"amount":100}`)
+	if r.status != 201 || r.body != first || r.header.Get("Idempotent-Replayed") != "true" || r.header.Get("Idempotency-Key-Expires") == "" {
+		t.Errorf("replay: %d %v %q", r.status, r.header, r.body)
+	}
+	if r := send(t, "POST", base+"/charges", `"charge-1"`, `{"amount":999}`); r.status != 422 {
+		t.Errorf("payload mismatch: %d, want 422", r.status)
+	}
+	if up.runs.Load() != 1 {
+		t.Errorf("upstream ran %d times", up.runs.Load())
+	}
+}
+
+func TestProxyTenants(t *testing.T) {
+	up := newUpstream(t)
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--tenant-header", "X-Tenant")
+	a := send(t, "POST", base+"/x", "k", "p", "X-Tenant", "alice")
+	b := send(t, "POST", base+"/x", "k", "p", "X-Tenant", "bob")
+	if up.runs.Load() != 2 || strings.Contains(b.body, "alice") || !strings.Contains(a.body, "alice") || b.header.Get("Idempotent-Replayed") != "" {
+		t.Fatalf("tenants not isolated: runs %d, alice %q, bob %q", up.runs.Load(), a.body, b.body)
+	}
+	if r := send(t, "POST", base+"/x", "k", "p"); r.status != 400 {
+		t.Errorf("keyed request without tenant: %d, want 400", r.status)
+	}
+}
+
+func TestProxyReplaySurvivesRestart(t *testing.T) {
+	up := newUpstream(t)
+	path := filepath.Join(t.TempDir(), "keys.db")
+	base, stop := startProxy(t, "--upstream", up.srv.URL, "--store", "sqlite", "--path", path)
+	first := send(t, "POST", base+"/pay", "k-restart", "p")
+	stop()
+	base, _ = startProxy(t, "--upstream", up.srv.URL, "--store", "sqlite", "--path", path)
+	again := send(t, "POST", base+"/pay", "k-restart", "p")
+	if up.runs.Load() != 1 || again.status != first.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("after a restart: runs %d, %d %q vs %d %q", up.runs.Load(), again.status, again.body, first.status, first.body)
+	}
+}
+
+func TestProxyUpstreamFailureNotStored(t *testing.T) {
+	up := newUpstream(t)
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--upstream-timeout", "100ms", "--lease", "10s")
+	up.status.Store(500)
+	if r := send(t, "POST", base+"/p", "k500", "x"); r.status != 500 {
+		t.Fatalf("upstream 500: %d", r.status)
+	}
+	up.status.Store(0)
+	if r := send(t, "POST", base+"/p", "k500", "x"); r.status != 201 || r.header.Get("Idempotent-Replayed") != "" || up.runs.Load() != 2 {
+		t.Fatalf("retry after 500: %d %v, runs %d", r.status, r.header, up.runs.Load())
+	}
+
+	up.delay.Store(int64(5 * time.Second))
+	if r := send(t, "POST", base+"/p", "ktimeout", "x"); r.status != http.StatusGatewayTimeout {
+		t.Fatalf("upstream timeout: %d %q", r.status, r.body)
+	}
+	up.delay.Store(0)
+	if r := send(t, "POST", base+"/p", "ktimeout", "x"); r.status != 201 || r.header.Get("Idempotent-Replayed") != "" || up.runs.Load() != 4 {
+		t.Fatalf("retry after a timeout: %d %v, runs %d", r.status, r.header, up.runs.Load())
+	}
+}
+
+func TestProxyPassThroughAndRequiredKey(t *testing.T) {
+	up := newUpstream(t)
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key")
+	if r := send(t, "GET", base+"/items", "k", ""); r.status != 200 || r.body != "get /items" {
+		t.Errorf("GET: %d %q", r.status, r.body)
+	}
+	if r := send(t, "POST", base+"/items", "", "x"); r.status != 400 || r.header.Get("Content-Type") != "application/problem+json" {
+		t.Errorf("missing key: %d %v", r.status, r.header)
+	}
+	if r := send(t, "POST", base+"/items", `"unterminated`, "x"); r.status != 400 {
+		t.Errorf("malformed key: %d", r.status)
+	}
+	if up.runs.Load() != 0 {
+		t.Errorf("upstream ran %d times", up.runs.Load())
+	}
+	base2, _ := startProxy(t, "--upstream", up.srv.URL)
+	send(t, "POST", base2+"/items", "", "x")
+	send(t, "POST", base2+"/items", "", "x")
+	if up.runs.Load() != 2 {
+		t.Errorf("optional key: runs %d, want 2", up.runs.Load())
+	}
+}
+
+// downStore fails every call like an unreachable server.
+type downStore struct{}
+
+func (downStore) Claim(context.Context, dedup.Key, dedup.Fingerprint, time.Duration) (dedup.Claim, error) {
+	return dedup.Claim{}, &dedup.StoreError{Store: "down", Op: "claim", Err: errors.New("connection refused"), NotApplied: true}
+}
+func (downStore) Complete(context.Context, dedup.Claim, []byte, time.Duration) error {
+	return errors.New("unreachable")
+}
+func (downStore) Release(context.Context, dedup.Claim) error { return errors.New("unreachable") }
+func (downStore) Close() error                               { return nil }
+
+func TestProxyStoreDown(t *testing.T) {
+	up := newUpstream(t)
+	f, err := parseProxy([]string{"--upstream", up.srv.URL}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs syncBuffer
+	h, err := newProxyHandler(&f, downStore{}, slog.New(slog.NewTextHandler(&logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	r := send(t, "POST", srv.URL+"/x", "k", "x")
+	if r.status != 503 || r.header.Get("Content-Type") != "application/problem+json" {
+		t.Errorf("store down: %d %q", r.status, r.body)
+	}
+	if up.runs.Load() != 0 {
+		t.Errorf("upstream ran %d times with the store down", up.runs.Load())
+	}
+	if !strings.Contains(logs.String(), "connection refused") {
+		t.Errorf("store error not logged: %q", logs.String())
+	}
+
+	// A Redis store that cannot be reached at start: exit 1, nothing served.
+	ln := httptest.NewServer(http.NotFoundHandler())
+	addr := strings.TrimPrefix(ln.URL, "http://")
+	ln.Close()
+	code, _, stderr := runArgs(t, "proxy", "--upstream", up.srv.URL, "--store", "redis", "--addr", addr, "--listen", "127.0.0.1:0")
+	if code != exitFail || !strings.Contains(stderr, "open the redis store") {
+		t.Errorf("unreachable redis: exit %d, %q", code, stderr)
+	}
+}
+
+func TestProxyFlags(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{nil, "--upstream is required"},
+		{[]string{"--upstream", "ftp://x"}, "--upstream must be"},
+		{[]string{"--upstream", "http://x", "--listen", "nope"}, "--listen"},
+		{[]string{"--upstream", "http://x", "--store", "mongo"}, "--store must be one of"},
+		{[]string{"--upstream", "http://x", "--store", "sqlite"}, "--path"},
+		{[]string{"--upstream", "http://x", "--path", "f.db"}, "--path applies only"},
+		{[]string{"--upstream", "http://x", "--addr", "h:1"}, "--addr applies only"},
+		{[]string{"--upstream", "http://x", "--lease", "0s"}, "--lease"},
+		{[]string{"--upstream", "http://x", "--retention", "-1h"}, "--retention"},
+		{[]string{"--upstream", "http://x", "--wait", "-1s"}, "--wait"},
+		{[]string{"--upstream", "http://x", "--lease", "10s", "--upstream-timeout", "20s"}, "--upstream-timeout"},
+		{[]string{"--upstream", "http://x", "--max-body", "0"}, "--max-body"},
+		{[]string{"--upstream", "http://x", "--max-stored-body", "-1"}, "--max-stored-body"},
+		{[]string{"--upstream", "http://x", "--lease", "soon"}, "--lease"},
+		{[]string{"--upstream", "http://x", "--frob"}, "unknown flag --frob"},
+		{[]string{"--upstream", "http://x", "extra"}, "unexpected argument"},
+	} {
+		code, stdout, stderr := runArgs(t, append([]string{"proxy"}, tc.args...)...)
+		if code != exitUsage || stdout != "" || !strings.Contains(stderr, tc.want) {
+			t.Errorf("%q: exit %d, stderr %q, want exit 2 naming %q", tc.args, code, stderr, tc.want)
+		}
+	}
+	code, stdout, _ := runArgs(t, "proxy", "-h")
+	if code != exitOK {
+		t.Errorf("-h: exit %d", code)
+	}
+	for _, w := range []string{"--upstream", "--listen", "--store", "--path", "--addr", "--tenant-header", "--require-key", "--retention", "--lease", "--wait", "--upstream-timeout", "--shutdown-timeout"} {
+		if !strings.Contains(stdout, w) {
+			t.Errorf("proxy -h lacks %s", w)
+		}
+	}
+}
