@@ -175,6 +175,12 @@ func (f *proxyFlags) openStore(ctx context.Context) (dedup.Store, error) {
 		if err != nil {
 			return nil, err
 		}
+		// Refuse to start on a database without the schema (every request
+		// would be a 503), and log retention shorter than a replay horizon.
+		if _, err := s.Check(ctx); err != nil {
+			s.Close()
+			return nil, err
+		}
 		return s, nil
 	}
 	return memstore.New()

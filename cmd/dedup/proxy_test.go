@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/internal/testenv"
 )
 
 // upstream is a test service that counts the POSTs it serves.
@@ -205,6 +206,40 @@ func TestProxyReplaySurvivesRestart(t *testing.T) {
 	again := send(t, "POST", base+"/pay", "k-restart", "p")
 	if up.runs.Load() != 1 || again.status != first.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("after a restart: runs %d, %d %q vs %d %q", up.runs.Load(), again.status, again.body, first.status, first.body)
+	}
+}
+
+// TestProxyOnServerStores: the proxy replays through Redis and PostgreSQL,
+// and a restarted proxy still replays from them.
+func TestProxyOnServerStores(t *testing.T) {
+	for _, store := range []string{"redis", "postgres"} {
+		t.Run(store, func(t *testing.T) {
+			if store == "redis" {
+				testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+			} else {
+				testenv.PostgresURL(t)
+				var out, errOut syncBuffer
+				if code := run([]string{"migrate"}, &out, &errOut); code != 0 {
+					t.Fatalf("dedup migrate: exit %d: %s", code, errOut.String())
+				}
+			}
+			up := newUpstream(t)
+			key := fmt.Sprintf("k-%s-%d", store, time.Now().UnixNano())
+			base, stop := startProxy(t, "--upstream", up.srv.URL, "--store", store)
+			first := send(t, "POST", base+"/pay", key, "p")
+			dup := send(t, "POST", base+"/pay", key, "p")
+			stop()
+			base, _ = startProxy(t, "--upstream", up.srv.URL, "--store", store)
+			again := send(t, "POST", base+"/pay", key, "p")
+			if first.status != http.StatusCreated || up.runs.Load() != 1 {
+				t.Fatalf("first: %d, runs %d", first.status, up.runs.Load())
+			}
+			for _, r := range []reply{dup, again} {
+				if r.status != first.status || r.body != first.body || r.header.Get("Idempotent-Replayed") != "true" {
+					t.Fatalf("replay: %d %q %v, want the first response replayed", r.status, r.body, r.header)
+				}
+			}
+		})
 	}
 }
 
