@@ -23,16 +23,9 @@ const (
 // puts the window and the fast store in front of a durable transactional
 // inbox. It is safe for concurrent use.
 type Store struct {
-	win         *window.Window
-	fast        dedup.Store
-	durable     dedup.Store
-	fastName    string
-	durableName string
-	inboxLease  time.Duration
-	clock       dedup.Clock
-	hooks       dedup.Hooks
-	closed      atomic.Bool
-	stats       counters
+	cfg    config
+	closed atomic.Bool
+	stats  counters
 
 	// pending maps an acquired durable claim to the fast claim taken with
 	// it, so Complete and Release can finish both.
@@ -119,8 +112,7 @@ func New(opts ...Option) (*Store, error) {
 	case cfg.fastName == "" || cfg.durableName == "" || cfg.fastName == cfg.durableName:
 		return nil, &dedup.ArgumentError{Arg: "layer names", Reason: "must be non-empty and distinct"}
 	}
-	s := &Store{win: cfg.win, fast: cfg.fast, durable: cfg.durable, fastName: cfg.fastName,
-		durableName: cfg.durableName, inboxLease: cfg.inboxLease, clock: cfg.clock, hooks: cfg.hooks, seed: maphash.MakeSeed()}
+	s := &Store{cfg: cfg, seed: maphash.MakeSeed()}
 	for i := range s.pending {
 		s.pending[i].m = make(map[pendingKey]pendingClaim)
 	}
@@ -136,7 +128,7 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if s.closed.Load() {
 		return dedup.Claim{}, dedup.ErrClosed
 	}
-	if s.durable == nil {
+	if s.cfg.durable == nil {
 		return dedup.Claim{}, &dedup.ArgumentError{Arg: "layered store", Reason: "has no durable store: use WithDurable, or RunInbox"}
 	}
 	if c, done := s.early(ctx, key, fp); done {
@@ -147,8 +139,8 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		return s.fastAnswer(key, fp, fc), nil
 	}
 	start := time.Now()
-	dc, err := s.durable.Claim(ctx, key, fp, lease)
-	s.observe(ctx, s.durableName, key, dc, err, start)
+	dc, err := s.cfg.durable.Claim(ctx, key, fp, lease)
+	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
 	if err != nil {
 		if fastOK {
 			s.releaseFast(ctx, fc)
@@ -175,10 +167,10 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 // early answers from the window when it can: an exact hit with a matching
 // fingerprint, or a Bloom "maybe" in Lossy mode.
 func (s *Store) early(ctx context.Context, key dedup.Key, fp dedup.Fingerprint) (dedup.Claim, bool) {
-	if s.win == nil {
+	if s.cfg.win == nil {
 		return dedup.Claim{}, false
 	}
-	v, val, has := s.win.Check(key)
+	v, val, has := s.cfg.win.Check(key)
 	switch {
 	case v == window.Hit && has:
 		stored, result := decode(val)
@@ -196,7 +188,7 @@ func (s *Store) early(ctx context.Context, key dedup.Key, fp dedup.Fingerprint) 
 			c.Result = append([]byte(nil), result...)
 		}
 		return c, true
-	case v == window.Maybe && s.win.Mode() == window.Lossy:
+	case v == window.Maybe && s.cfg.win.Mode() == window.Lossy:
 		s.stats.bloom.Add(1)
 		s.duplicate(ctx, LayerBloom, key)
 		return dedup.Claim{Key: key, Outcome: dedup.Duplicate}, true
@@ -209,12 +201,12 @@ func (s *Store) early(ctx context.Context, key dedup.Key, fp dedup.Fingerprint) 
 // claimFast claims in the fast store. ok is false when there is no fast
 // store or it failed: then the durable store decides alone.
 func (s *Store) claimFast(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, bool) {
-	if s.fast == nil {
+	if s.cfg.fast == nil {
 		return dedup.Claim{}, false
 	}
 	start := time.Now()
-	c, err := s.fast.Claim(ctx, key, fp, lease)
-	s.observe(ctx, s.fastName, key, c, err, start)
+	c, err := s.cfg.fast.Claim(ctx, key, fp, lease)
+	s.observe(ctx, s.cfg.fastName, key, c, err, start)
 	if err != nil {
 		s.stats.fastErrors.Add(1)
 		return dedup.Claim{}, false
@@ -237,7 +229,7 @@ func (s *Store) fastAnswer(key dedup.Key, fp dedup.Fingerprint, fc dedup.Claim) 
 // lost it.
 func (s *Store) backfill(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, fc dedup.Claim, fastOK bool, result []byte, expires time.Time) {
 	if fastOK && fc.Outcome == dedup.Acquired {
-		if ret := expires.Sub(s.clock.Now()); !expires.IsZero() && ret > 0 {
+		if ret := expires.Sub(s.cfg.clock.Now()); !expires.IsZero() && ret > 0 {
 			s.completeFast(ctx, fc, result, ret)
 		} else {
 			s.releaseFast(ctx, fc)
@@ -255,10 +247,10 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	if s.closed.Load() {
 		return dedup.ErrClosed
 	}
-	if s.durable == nil {
+	if s.cfg.durable == nil {
 		return dedup.ErrLeaseLost
 	}
-	if err := s.durable.Complete(ctx, c, result, retention); err != nil {
+	if err := s.cfg.durable.Complete(ctx, c, result, retention); err != nil {
 		return err // the fast claim's lease will expire on its own
 	}
 	// Only the first completion of a claim taken here updates the faster
@@ -267,7 +259,7 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 		if p.fast.Outcome == dedup.Acquired {
 			s.completeFast(ctx, p.fast, result, retention)
 		}
-		s.addWindow(c.Key, p.fp, result, s.clock.Now().Add(retention))
+		s.addWindow(c.Key, p.fp, result, s.cfg.clock.Now().Add(retention))
 	}
 	return nil
 }
@@ -280,10 +272,10 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if s.closed.Load() {
 		return dedup.ErrClosed
 	}
-	if s.durable == nil {
+	if s.cfg.durable == nil {
 		return dedup.ErrLeaseLost
 	}
-	if err := s.durable.Release(ctx, c); err != nil {
+	if err := s.cfg.durable.Release(ctx, c); err != nil {
 		return err // the claim stays pending: a later Complete may still finish it
 	}
 	if p, ok := s.forget(c); ok {
@@ -302,7 +294,7 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if s.closed.Load() {
 		return c, dedup.ErrClosed
 	}
-	ext, ok := s.durable.(dedup.Extender)
+	ext, ok := s.cfg.durable.(dedup.Extender)
 	if !ok {
 		return c, &dedup.ArgumentError{Arg: "layered store", Reason: "its durable store cannot extend leases"}
 	}
@@ -315,7 +307,7 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	sh.mu.Lock()
 	p, found := sh.m[k]
 	sh.mu.Unlock()
-	if fe, ok := s.fast.(dedup.Extender); ok && found && p.fast.Outcome == dedup.Acquired {
+	if fe, ok := s.cfg.fast.(dedup.Extender); ok && found && p.fast.Outcome == dedup.Acquired {
 		if _, err := fe.Extend(ctx, p.fast, lease); err != nil {
 			s.fastFailed(ctx, "extend", c.Key, err)
 		}
@@ -347,13 +339,13 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if c, done := s.early(ctx, key, fp); done {
 		return c, nil
 	}
-	fc, fastOK := s.claimFast(ctx, key, fp, s.inboxLease)
+	fc, fastOK := s.claimFast(ctx, key, fp, s.cfg.inboxLease)
 	if fastOK && fc.Outcome != dedup.Acquired {
 		return s.fastAnswer(key, fp, fc), nil
 	}
 	start := time.Now()
 	dc, err := durable(ctx)
-	s.observe(ctx, s.durableName, key, dc, err, start)
+	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
 	switch {
 	case err != nil:
 		if fastOK {
@@ -364,12 +356,12 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		if fastOK {
 			s.completeFast(ctx, fc, dc.Result, retention)
 		}
-		s.addWindow(key, fp, dc.Result, s.clock.Now().Add(retention))
+		s.addWindow(key, fp, dc.Result, s.cfg.clock.Now().Add(retention))
 	case dc.Outcome == dedup.Duplicate:
 		s.stats.durable.Add(1)
 		exp := dc.ExpiresAt
 		if exp.IsZero() {
-			exp = s.clock.Now().Add(retention)
+			exp = s.cfg.clock.Now().Add(retention)
 		}
 		s.backfill(ctx, key, fp, fc, fastOK, dc.Result, exp)
 	default:
@@ -381,7 +373,7 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 }
 
 func (s *Store) completeFast(ctx context.Context, fc dedup.Claim, result []byte, retention time.Duration) {
-	if err := s.fast.Complete(ctx, fc, result, retention); err != nil {
+	if err := s.cfg.fast.Complete(ctx, fc, result, retention); err != nil {
 		s.fastFailed(ctx, "complete", fc.Key, err)
 	}
 }
@@ -390,35 +382,35 @@ func (s *Store) releaseFast(ctx context.Context, fc dedup.Claim) {
 	if fc.Outcome != dedup.Acquired {
 		return
 	}
-	if err := s.fast.Release(ctx, fc); err != nil {
+	if err := s.cfg.fast.Release(ctx, fc); err != nil {
 		s.fastFailed(ctx, "release", fc.Key, err)
 	}
 }
 
 func (s *Store) fastFailed(ctx context.Context, op string, key dedup.Key, err error) {
 	s.stats.fastErrors.Add(1)
-	s.hooks.StoreFailed(ctx, dedup.StoreErrorEvent{Store: s.fastName, Op: op, Key: key, Err: err})
+	s.cfg.hooks.StoreFailed(ctx, dedup.StoreErrorEvent{Store: s.cfg.fastName, Op: op, Key: key, Err: err})
 }
 
 func (s *Store) addWindow(key dedup.Key, fp dedup.Fingerprint, result []byte, expires time.Time) {
-	if s.win != nil && !expires.IsZero() {
-		s.win.Add(key, encode(fp, result), expires)
+	if s.cfg.win != nil && !expires.IsZero() {
+		s.cfg.win.Add(key, encode(fp, result), expires)
 	}
 }
 
 func (s *Store) duplicate(ctx context.Context, layer string, key dedup.Key) {
-	s.hooks.Claimed(ctx, dedup.ClaimEvent{Store: layer, Key: key, Outcome: dedup.Duplicate})
+	s.cfg.hooks.Claimed(ctx, dedup.ClaimEvent{Store: layer, Key: key, Outcome: dedup.Duplicate})
 }
 
 func (s *Store) observe(ctx context.Context, layer string, key dedup.Key, c dedup.Claim, err error, start time.Time) {
-	if s.hooks.Empty() {
+	if s.cfg.hooks.Empty() {
 		return
 	}
 	e := dedup.ClaimEvent{Store: layer, Key: key, Outcome: c.Outcome, Attempt: c.Attempt, TakenOver: c.TakenOver, Duration: time.Since(start), Err: err}
 	if err != nil {
 		e.Outcome = 0
 	}
-	s.hooks.Claimed(ctx, e)
+	s.cfg.hooks.Claimed(ctx, e)
 }
 
 func (s *Store) shard(k pendingKey) *pendingShard {
@@ -428,7 +420,7 @@ func (s *Store) shard(k pendingKey) *pendingShard {
 func (s *Store) remember(dc, fc dedup.Claim, fp dedup.Fingerprint) {
 	k := pendingKey{dc.Key, dc.Token}
 	sh := s.shard(k)
-	now := s.clock.Now()
+	now := s.cfg.clock.Now()
 	sh.mu.Lock()
 	if len(sh.m) >= 1024 { // forget claims that nobody finished
 		for pk, p := range sh.m {
