@@ -138,7 +138,7 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if fastOK && fc.Outcome != dedup.Acquired {
 		return s.fastAnswer(key, fp, fc), nil
 	}
-	start := time.Now()
+	start := s.started()
 	dc, err := s.cfg.durable.Claim(ctx, key, fp, lease)
 	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
 	if err != nil {
@@ -204,7 +204,7 @@ func (s *Store) claimFast(ctx context.Context, key dedup.Key, fp dedup.Fingerpri
 	if s.cfg.fast == nil {
 		return dedup.Claim{}, false
 	}
-	start := time.Now()
+	start := s.started()
 	c, err := s.cfg.fast.Claim(ctx, key, fp, lease)
 	s.observe(ctx, s.cfg.fastName, key, c, err, start)
 	if err != nil {
@@ -343,7 +343,7 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if fastOK && fc.Outcome != dedup.Acquired {
 		return s.fastAnswer(key, fp, fc), nil
 	}
-	start := time.Now()
+	start := s.started()
 	dc, err := durable(ctx)
 	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
 	switch {
@@ -400,6 +400,15 @@ func (s *Store) addWindow(key dedup.Key, fp dedup.Fingerprint, result []byte, ex
 
 func (s *Store) duplicate(ctx context.Context, layer string, key dedup.Key) {
 	s.cfg.hooks.Claimed(ctx, dedup.ClaimEvent{Store: layer, Key: key, Outcome: dedup.Duplicate})
+}
+
+// started reads the clock for a latency only when a hook will see it: a
+// claim is a hot path.
+func (s *Store) started() time.Time {
+	if s.cfg.hooks.Empty() {
+		return time.Time{}
+	}
+	return time.Now()
 }
 
 func (s *Store) observe(ctx context.Context, layer string, key dedup.Key, c dedup.Claim, err error, start time.Time) {
