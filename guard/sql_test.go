@@ -5,12 +5,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/dedupkit/dedup/guard"
 	"github.com/dedupkit/dedup/internal/testenv"
@@ -115,56 +113,17 @@ func (b *backend) transitionCheck(up, cur guard.Stmt, target string) (guard.Tran
 	return guard.TransitionCheckDB(context.Background(), b.db, up, cur, target)
 }
 
-var (
-	poolOnce   sync.Once
-	sharedPool *pgxpool.Pool
-	poolErr    error
-)
-
 // newPostgres returns a backend in a fresh schema, dropped when the test
 // ends.
 func newPostgres(t *testing.T) *backend {
 	t.Helper()
-	url := testenv.PostgresURL(t)
-	poolOnce.Do(func() {
-		cfg, err := pgxpool.ParseConfig(url)
-		if err != nil {
-			poolErr = err
-			return
-		}
-		if !strings.Contains(url, "pool_max_conns") {
-			cfg.MaxConns = 8
-		}
-		sharedPool, poolErr = pgxpool.NewWithConfig(context.Background(), cfg)
-	})
-	if poolErr != nil {
-		t.Fatalf("connect to %s: %v", url, poolErr)
-	}
-	name := strings.Map(func(r rune) rune {
-		switch {
-		case 'a' <= r && r <= 'z', '0' <= r && r <= '9':
-			return r
-		case 'A' <= r && r <= 'Z':
-			return r + 'a' - 'A'
-		}
-		return '_'
-	}, t.Name())
-	if len(name) > 30 {
-		name = name[:30]
-	}
-	name = fmt.Sprintf("dedup_t_%s_%08x", name, rand.Uint32())
+	pool := testenv.PostgresPool(t)
+	name := testenv.PostgresSchema(t, pool)
 	ctx := context.Background()
-	if _, err := sharedPool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{name}.Sanitize()); err != nil {
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{name}.Sanitize()); err != nil {
 		t.Fatalf("create schema: %v", err)
 	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if _, err := sharedPool.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{name}.Sanitize()+` CASCADE`); err != nil {
-			t.Errorf("drop schema %s: %v", name, err)
-		}
-	})
-	return &backend{schema: name, pg: sharedPool}
+	return &backend{schema: name, pg: pool}
 }
 
 // newSQLite returns a backend on a new SQLite file in the test's temporary

@@ -2,10 +2,6 @@ package pgstore_test
 
 import (
 	"context"
-	"fmt"
-	"math/rand/v2"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,33 +19,9 @@ const (
 	day = 24 * time.Hour
 )
 
-var (
-	poolOnce   sync.Once
-	sharedPool *pgxpool.Pool
-	poolErr    error
-)
-
-// testPool returns the package's shared pool on DEDUP_POSTGRES_URL,
-// skipping the test when the server does not answer.
-func testPool(t testing.TB) *pgxpool.Pool {
-	t.Helper()
-	url := testenv.PostgresURL(t)
-	poolOnce.Do(func() {
-		cfg, err := pgxpool.ParseConfig(url)
-		if err != nil {
-			poolErr = err
-			return
-		}
-		if !strings.Contains(url, "pool_max_conns") {
-			cfg.MaxConns = 24
-		}
-		sharedPool, poolErr = pgxpool.NewWithConfig(context.Background(), cfg)
-	})
-	if poolErr != nil {
-		t.Fatalf("connect to %s: %v", url, poolErr)
-	}
-	return sharedPool
-}
+// testPool returns the shared pool on DEDUP_POSTGRES_URL, skipping the
+// test when the server does not answer.
+func testPool(t testing.TB) *pgxpool.Pool { return testenv.PostgresPool(t) }
 
 // newPool returns a pool of its own with at most maxConns connections,
 // closed at the end of the test.
@@ -69,33 +41,8 @@ func newPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 	return p
 }
 
-// freshSchema returns the name of a new, empty schema for one test, dropped
-// with everything in it when the test ends. Tests run in parallel with
-// other packages' tests on the same server; schemas keep them apart.
-func freshSchema(t testing.TB, pool *pgxpool.Pool) string {
-	t.Helper()
-	name := strings.Map(func(r rune) rune {
-		switch {
-		case 'a' <= r && r <= 'z', '0' <= r && r <= '9':
-			return r
-		case 'A' <= r && r <= 'Z':
-			return r + 'a' - 'A'
-		}
-		return '_'
-	}, t.Name())
-	if len(name) > 30 {
-		name = name[:30]
-	}
-	name = fmt.Sprintf("dedup_t_%s_%08x", name, rand.Uint32())
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{name}.Sanitize()+` CASCADE`); err != nil {
-			t.Errorf("drop schema %s: %v", name, err)
-		}
-	})
-	return name
-}
+// freshSchema returns a schema name of the test's own, dropped at its end.
+func freshSchema(t testing.TB, pool *pgxpool.Pool) string { return testenv.PostgresSchema(t, pool) }
 
 // mode is one layout of the records table.
 type mode struct {
