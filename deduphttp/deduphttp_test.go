@@ -605,7 +605,10 @@ func TestCorruptRecord(t *testing.T) {
 
 func TestHijackReleases(t *testing.T) {
 	var runs atomic.Int64
-	m := newMiddleware(t, newMem(t))
+	// The client reads the hijacked response before the middleware has
+	// released the key, so wait for the release before the retry.
+	s := &releaseSignal{Store: newMem(t), released: make(chan struct{}, 1)}
+	m := newMiddleware(t, s)
 	srv := httptest.NewServer(m.Required(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if runs.Add(1) == 1 {
 			c, buf, err := http.NewResponseController(w).Hijack()
@@ -624,9 +627,31 @@ func TestHijackReleases(t *testing.T) {
 	if r := post(t, srv.Client(), srv.URL, "k", ""); r.status != 202 {
 		t.Fatalf("hijacked: %d", r.status)
 	}
+	select {
+	case <-s.released:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hijacked request never released its key")
+	}
 	if r := post(t, srv.Client(), srv.URL, "k", ""); r.status != 201 || runs.Load() != 2 {
 		t.Fatalf("after a hijack: %d, runs %d", r.status, runs.Load())
 	}
+}
+
+// releaseSignal reports each successful Release on a channel.
+type releaseSignal struct {
+	dedup.Store
+	released chan struct{}
+}
+
+func (s *releaseSignal) Release(ctx context.Context, c dedup.Claim) error {
+	err := s.Store.Release(ctx, c)
+	if err == nil {
+		select {
+		case s.released <- struct{}{}:
+		default:
+		}
+	}
+	return err
 }
 
 type corruptingStore struct{ dedup.Store }
