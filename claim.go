@@ -155,6 +155,31 @@ type BatchClaimer interface {
 	ClaimBatch(ctx context.Context, reqs []ClaimRequest, lease time.Duration) ([]Claim, error)
 }
 
+// A Completion is one item of a batch completion: an acquired Claim and
+// the result to store with it (which may be nil).
+type Completion struct {
+	Claim  Claim
+	Result []byte
+}
+
+// BatchCompleter is a store that can complete many claims in one round
+// trip.
+type BatchCompleter interface {
+	// CompleteBatch completes each item as Complete would, each with
+	// retention, and returns one error per item, in order: nil when the item
+	// is completed (or was already completed by the same token), or
+	// ErrLeaseLost when its token no longer owns the record, which is then
+	// unchanged. Items are independent: one fenced out item does not stop
+	// the others. The second result is a failure of the whole call, with a
+	// nil slice: an [*ArgumentError] when any item or retention is invalid
+	// (nothing was sent), [ErrClosed], or a [*StoreError] (unreachable, timed
+	// out, cancelled), after which any item may or may not be completed, as
+	// after a failed Complete. A store that sends the items separately may
+	// also report a *StoreError for one item alone. Implementations check
+	// their input with [ValidateCompleteBatch] before any I/O.
+	CompleteBatch(ctx context.Context, items []Completion, retention time.Duration) ([]error, error)
+}
+
 // Sweeper is a store that can delete expired records in bounded batches.
 type Sweeper interface {
 	// Sweep deletes up to limit expired records and returns how many it
@@ -214,20 +239,52 @@ func (r *ClaimedRecord) ClaimFor(key Key, fp Fingerprint, own Token) Claim {
 }
 
 // ClaimBatch claims reqs on s in one round trip when s is a [BatchClaimer],
-// and one by one otherwise, with the same per-key results.
+// and one by one otherwise, with the same per-key results. The fallback
+// checks every request before it claims any, and when a claim fails it
+// releases the keys it acquired before returning the error, since the
+// caller gets no claims to release.
 func ClaimBatch(ctx context.Context, s Store, reqs []ClaimRequest, lease time.Duration) ([]Claim, error) {
 	if b, ok := s.(BatchClaimer); ok {
 		return b.ClaimBatch(ctx, reqs, lease)
+	}
+	if err := ValidateBatch(reqs, lease); err != nil {
+		return nil, err
 	}
 	out := make([]Claim, len(reqs))
 	for i, r := range reqs {
 		c, err := s.Claim(ctx, r.Key, r.Fingerprint, lease)
 		if err != nil {
+			for _, c := range out[:i] {
+				if c.Outcome == Acquired {
+					_ = s.Release(ctx, c) // best effort: otherwise the lease ends it
+				}
+			}
 			return nil, err
 		}
 		out[i] = c
 	}
 	return out, nil
+}
+
+// CompleteBatch completes items on s in one round trip when s is a
+// [BatchCompleter], and with one Complete per item otherwise, with the same
+// per-item results (see [BatchCompleter]). Either way an invalid item fails
+// the whole call with an [*ArgumentError] before any item is sent: the
+// fallback checks every item first, as [ValidateCompleteBatch] does, and
+// reports a failure of one Complete as that item's error and goes on with
+// the next.
+func CompleteBatch(ctx context.Context, s Store, items []Completion, retention time.Duration) ([]error, error) {
+	if b, ok := s.(BatchCompleter); ok {
+		return b.CompleteBatch(ctx, items, retention)
+	}
+	if err := ValidateCompleteBatch(items, retention); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(items))
+	for i, it := range items {
+		errs[i] = s.Complete(ctx, it.Claim, it.Result, retention)
+	}
+	return errs, nil
 }
 
 // A Clock tells the time. Stores that keep time themselves (memory,
@@ -259,10 +316,7 @@ func ValidateClaim(key Key, fp Fingerprint, lease time.Duration) error {
 func ValidateBatch(reqs []ClaimRequest, lease time.Duration) error {
 	for i, r := range reqs {
 		if err := ValidateClaim(r.Key, r.Fingerprint, lease); err != nil {
-			if ae, ok := err.(*ArgumentError); ok {
-				return &ArgumentError{Arg: ae.Arg + " of claim request " + strconv.Itoa(i), Reason: ae.Reason}
-			}
-			return err
+			return indexed(err, "claim request", i)
 		}
 	}
 	return nil
@@ -274,6 +328,28 @@ func ValidateComplete(c Claim, retention time.Duration) error {
 		return err
 	}
 	return validateDuration("retention", retention)
+}
+
+// ValidateCompleteBatch checks the arguments of CompleteBatch: every item
+// as ValidateComplete does. The error names the item's index.
+func ValidateCompleteBatch(items []Completion, retention time.Duration) error {
+	if err := validateDuration("retention", retention); err != nil {
+		return err
+	}
+	for i, it := range items {
+		if err := ValidateRelease(it.Claim); err != nil {
+			return indexed(err, "completion", i)
+		}
+	}
+	return nil
+}
+
+// indexed names the item of a batch in an argument error.
+func indexed(err error, item string, i int) error {
+	if ae, ok := err.(*ArgumentError); ok {
+		return &ArgumentError{Arg: ae.Arg + " of " + item + " " + strconv.Itoa(i), Reason: ae.Reason}
+	}
+	return err
 }
 
 // ValidateRelease checks the claim given to Release, Complete or Extend: it

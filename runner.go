@@ -10,6 +10,11 @@ import (
 // as the result (replayed to duplicates; may be nil) or an error.
 type Handler func(ctx context.Context) (result []byte, err error)
 
+// A ClaimHandler is a [Handler] that is told about the claim it runs under:
+// its Attempt, and whether it TakenOver a crashed owner (whose effect may
+// or may not have happened: reconcile before acting again).
+type ClaimHandler func(ctx context.Context, c Claim) (result []byte, err error)
+
 // Disposition says what a [Runner] does with its claim when the handler
 // fails.
 type Disposition uint8
@@ -192,69 +197,117 @@ func NewRunner(s Store, opts ...RunnerOption) (*Runner, error) {
 // bounded by the finalize timeout, so a success is recorded and a failure
 // is released rather than left to the lease.
 func (r *Runner) Do(ctx context.Context, key Key, fp Fingerprint, h Handler) (Result, error) {
-	cfg := &r.cfg
-	observe := !cfg.hooks.Empty()
-	var start time.Time
-	if observe {
-		start = time.Now()
+	return r.do(ctx, key, fp, h, nil)
+}
+
+// DoClaim is [Runner.Do] for a handler that needs the claim it runs under.
+func (r *Runner) DoClaim(ctx context.Context, key Key, fp Fingerprint, h ClaimHandler) (Result, error) {
+	return r.do(ctx, key, fp, nil, h)
+}
+
+// do runs h, or ch when h is nil.
+func (r *Runner) do(ctx context.Context, key Key, fp Fingerprint, h Handler, ch ClaimHandler) (Result, error) {
+	if h == nil && ch == nil {
+		return Result{}, &ArgumentError{Arg: "handler", Reason: "is nil"}
 	}
-	c, err := r.store.Claim(ctx, key, fp, cfg.lease)
-	if observe {
-		e := ClaimEvent{Store: cfg.name, Key: key, Outcome: c.Outcome, Attempt: c.Attempt, TakenOver: c.TakenOver, Duration: time.Since(start), Err: err}
-		if err != nil {
-			e.Outcome = 0
-		}
-		cfg.hooks.Claimed(ctx, e)
-	}
+	c, err := r.claim(ctx, key, fp)
 	if err != nil {
 		return Result{}, err
 	}
+	res, done, err := settled(c)
+	if done {
+		return res, err
+	}
+	out, herr := r.run(ctx, c, h, ch)
+	fctx, cancel := r.finalContext(ctx)
+	defer cancel()
+	op, stored := r.disposal(out, herr)
+	return finished(res, op, stored, herr, r.finish(fctx, c, op, stored))
+}
+
+// claim claims key and emits the claim's events.
+func (r *Runner) claim(ctx context.Context, key Key, fp Fingerprint) (Claim, error) {
+	if r.cfg.hooks.Empty() {
+		return r.store.Claim(ctx, key, fp, r.cfg.lease)
+	}
+	start := time.Now()
+	c, err := r.store.Claim(ctx, key, fp, r.cfg.lease)
+	r.claimed(ctx, key, c, err, time.Since(start))
+	return c, err
+}
+
+// claimed emits the events of one claim that took d.
+func (r *Runner) claimed(ctx context.Context, key Key, c Claim, err error, d time.Duration) {
+	e := ClaimEvent{Store: r.cfg.name, Key: key, Outcome: c.Outcome, Attempt: c.Attempt, TakenOver: c.TakenOver, Duration: d, Err: err}
+	if err != nil {
+		e.Outcome = 0
+	}
+	r.cfg.hooks.Claimed(ctx, e)
+}
+
+// settled returns what do returns for a claim on which no handler runs
+// (a duplicate, a key in progress, a mismatch), with done set; for an
+// acquired claim, the Result the run starts from.
+func settled(c Claim) (res Result, done bool, err error) {
 	switch c.Outcome {
 	case Duplicate:
-		return Result{Duplicate: true, Result: c.Result, Attempt: c.Attempt}, nil
+		return Result{Duplicate: true, Result: c.Result, Attempt: c.Attempt}, true, nil
 	case Acquired:
-	default:
-		return Result{Attempt: c.Attempt}, c.Err()
+		return Result{Attempt: c.Attempt, TakenOver: c.TakenOver}, false, nil
 	}
+	return Result{Attempt: c.Attempt}, true, c.Err()
+}
 
-	res := Result{Attempt: c.Attempt, TakenOver: c.TakenOver}
-	out, herr := r.run(ctx, c, h)
-	fctx := ctx
-	if ctx.Err() != nil {
-		var cancel context.CancelFunc
-		fctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), cfg.finalizeTimeout)
-		defer cancel()
+// finalContext returns the context for Complete or Release after the
+// handler: ctx, or when ctx is done, a context detached from it and
+// bounded by the finalize timeout.
+func (r *Runner) finalContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if ctx.Err() == nil {
+		return ctx, func() {}
 	}
+	return context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+}
+
+// disposal says how the claim of a handler that returned out and herr
+// ends: "complete" with stored (a success, or a failure to record),
+// "keep" or "release".
+func (r *Runner) disposal(out []byte, herr error) (op string, stored []byte) {
 	if herr == nil {
-		res.Result = out
-		return res, r.finish(fctx, c, "complete", out)
+		return "complete", out
 	}
-	switch cfg.classify(herr) {
+	switch r.cfg.classify(herr) {
 	case Keep:
-		r.finish(fctx, c, "keep", nil)
-		return res, herr
+		return "keep", nil
 	case Record:
 		var re ResultError
-		var stored []byte
 		if errors.As(herr, &re) {
 			stored = re.Result()
 		}
-		if err := r.finish(fctx, c, "complete", stored); err != nil {
-			return res, errors.Join(herr, err)
-		}
-		res.Recorded, res.Result = true, stored
-		return res, herr
-	default:
-		if err := r.finish(fctx, c, "release", nil); err != nil {
-			return res, errors.Join(herr, err)
-		}
-		return res, herr
+		return "complete", stored
 	}
+	return "release", nil
+}
+
+// finished returns what do returns once the claim of a handler that
+// returned herr was ended by op, which returned ferr.
+func finished(res Result, op string, stored []byte, herr, ferr error) (Result, error) {
+	switch {
+	case herr == nil:
+		res.Result = stored
+		return res, ferr
+	case op == "keep":
+		return res, herr
+	case ferr != nil:
+		return res, errors.Join(herr, ferr)
+	case op == "complete":
+		res.Recorded, res.Result = true, stored
+	}
+	return res, herr
 }
 
 // run calls h, with a heartbeat when configured, and releases the claim if
 // h panics.
-func (r *Runner) run(ctx context.Context, c Claim, h Handler) (out []byte, err error) {
+func (r *Runner) run(ctx context.Context, c Claim, h Handler, ch ClaimHandler) (out []byte, err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
@@ -265,6 +318,9 @@ func (r *Runner) run(ctx context.Context, c Claim, h Handler) (out []byte, err e
 	}()
 	ext, ok := r.store.(Extender)
 	if r.cfg.heartbeat <= 0 || !ok {
+		if h == nil {
+			return ch(ctx, c)
+		}
 		return h(ctx)
 	}
 	hctx, cancel := context.WithCancelCause(ctx)
@@ -289,7 +345,11 @@ func (r *Runner) run(ctx context.Context, c Claim, h Handler) (out []byte, err e
 			}
 		}
 	}()
-	out, err = h(hctx)
+	if h == nil {
+		out, err = ch(hctx, c)
+	} else {
+		out, err = h(hctx)
+	}
 	close(done)
 	<-stopped
 	return out, err

@@ -248,6 +248,10 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	sh := s.shard(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
+	return s.completeLocked(sh, c, result, retention)
+}
+
+func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retention time.Duration) error {
 	r, ok := sh.m[c.Key]
 	switch {
 	case !ok || r.token != c.Token:
@@ -257,6 +261,25 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	}
 	r.completed, r.result, r.until = true, clone(result), s.now()+int64(retention)
 	return nil
+}
+
+// CompleteBatch implements [dedup.BatchCompleter]: each item is completed
+// atomically under its shard's lock, as Complete does.
+func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, retention time.Duration) ([]error, error) {
+	if err := dedup.ValidateCompleteBatch(items, retention); err != nil {
+		return nil, err
+	}
+	if err := s.begin(ctx, "complete batch"); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(items))
+	for i, it := range items {
+		sh := s.shard(it.Claim.Key)
+		sh.mu.Lock()
+		errs[i] = s.completeLocked(sh, it.Claim, it.Result, retention)
+		sh.mu.Unlock()
+	}
+	return errs, nil
 }
 
 // Release implements [dedup.Store]. The next claim starts again at attempt 1.

@@ -22,7 +22,7 @@ func newStore(t testing.TB, clock *storetest.Clock) dedup.Store {
 }
 
 func TestConformance(t *testing.T) {
-	storetest.Run(t, newStore, storetest.Features{ManualClock: true, Extend: true, BatchClaim: true, Sweep: true})
+	storetest.Run(t, newStore, storetest.Features{ManualClock: true, Extend: true, BatchClaim: true, BatchComplete: true, Sweep: true})
 }
 
 func TestBadOptions(t *testing.T) {

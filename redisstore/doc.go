@@ -14,9 +14,12 @@
 // exactly the retention once completed. Concurrent calls from many
 // goroutines share connections and are pipelined by the client, so they
 // are coalesced into shared round trips while a lone caller pays no extra
-// latency. ClaimBatch sends one script call per key in one pipeline; on a
-// cluster the client splits it per node and slot and the replies come back
-// in request order.
+// latency. ClaimBatch sends the first command of every claim in one
+// pipeline (and the claim script, in a second, for keys found in
+// progress); CompleteBatch sends the fenced complete script of every item
+// in one pipeline, each item fenced by its own token. On a cluster the
+// client splits a pipeline per node and slot and the replies come back in
+// request order.
 //
 // # What Redis does not guarantee
 //

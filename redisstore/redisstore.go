@@ -138,6 +138,34 @@ func (sc *script) exec(ctx context.Context, c rueidis.Client, keys, args []strin
 	return res
 }
 
+// execMulti runs the script once per key, keys[i] with args[i], in one
+// pipeline (on a cluster the client splits it by node and slot and puts
+// the replies back in order). The calls a server answered NOSCRIPT, which
+// did not run, are sent again whole, in order, in a second pipeline.
+func (sc *script) execMulti(ctx context.Context, c rueidis.Client, keys []string, args [][]string) []rueidis.RedisResult {
+	cmds := make(rueidis.Commands, len(keys))
+	for i := range keys {
+		cmds[i] = sc.evalsha(c, keys[i:i+1], args[i])
+	}
+	results := c.DoMulti(ctx, cmds...)
+	var again []int
+	for i, res := range results {
+		if isNoScript(res.Error()) {
+			again = append(again, i)
+		}
+	}
+	if len(again) > 0 {
+		cmds = cmds[:0]
+		for _, i := range again {
+			cmds = append(cmds, sc.eval(c, keys[i:i+1], args[i]))
+		}
+		for k, res := range c.DoMulti(ctx, cmds...) {
+			results[again[k]] = res
+		}
+	}
+	return results
+}
+
 func isNoScript(err error) bool {
 	re, ok := rueidis.IsRedisErr(err)
 	return ok && re.IsNoScript()
@@ -315,30 +343,11 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	}
 	// A second pipeline, in request order, so a key repeated in the batch
 	// is decided after its first occurrence acquired it.
-	args := make([][]string, len(pending))
-	cmds = cmds[:0]
+	pkeys, args := make([]string, len(pending)), make([][]string, len(pending))
 	for j, i := range pending {
-		args[j] = s.claimArgs(toks[i], reqs[i].Fingerprint, lease)
-		cmds = append(cmds, s.claim.evalsha(s.client, keys[i:i+1], args[j]))
+		pkeys[j], args[j] = keys[i], s.claimArgs(toks[i], reqs[i].Fingerprint, lease)
 	}
-	results := s.client.DoMulti(ctx, cmds...)
-	var again []int
-	for j, res := range results {
-		if isNoScript(res.Error()) {
-			again = append(again, j)
-		}
-	}
-	if len(again) > 0 { // a server without the script: resend those whole, in order
-		cmds = cmds[:0]
-		for _, j := range again {
-			i := pending[j]
-			cmds = append(cmds, s.claim.eval(s.client, keys[i:i+1], args[j]))
-		}
-		for k, res := range s.client.DoMulti(ctx, cmds...) {
-			results[again[k]] = res
-		}
-	}
-	for j, res := range results {
+	for j, res := range s.claim.execMulti(ctx, s.client, pkeys, args) {
 		i := pending[j]
 		c, err := s.claimResult(reqs[i].Key, toks[i], res)
 		if err != nil {
@@ -359,6 +368,35 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	}
 	res := s.complete.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), string(result), ms(retention)})
 	return s.fenced("complete", res)
+}
+
+// CompleteBatch implements [dedup.BatchCompleter]: the complete script of
+// every item in one pipeline, each fenced by its own token as Complete is;
+// on a cluster the client splits the pipeline by node and slot. An item
+// whose reply is an error (a connection lost mid-pipeline) gets its own
+// [*dedup.StoreError]: it may or may not have run, and sending it again
+// with the same token is safe.
+func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, retention time.Duration) ([]error, error) {
+	if err := dedup.ValidateCompleteBatch(items, retention); err != nil {
+		return nil, err
+	}
+	if err := s.begin(ctx, "complete batch"); err != nil {
+		return nil, err
+	}
+	if len(items) == 0 {
+		return []error{}, nil
+	}
+	ret := ms(retention)
+	keys, args := make([]string, len(items)), make([][]string, len(items))
+	for i := range items {
+		c := &items[i].Claim
+		keys[i], args[i] = s.RedisKey(c.Key), []string{string(c.Token[:]), string(items[i].Result), ret}
+	}
+	errs := make([]error, len(items))
+	for i, res := range s.complete.execMulti(ctx, s.client, keys, args) {
+		errs[i] = s.fenced("complete", res)
+	}
+	return errs, nil
 }
 
 // Release implements [dedup.Store]. The next claim starts at attempt 1.

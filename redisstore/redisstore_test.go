@@ -37,7 +37,7 @@ func open(t testing.TB, addrs []string, opts ...redisstore.Option) *redisstore.S
 	return s
 }
 
-var features = storetest.Features{Extend: true, BatchClaim: true}
+var features = storetest.Features{Extend: true, BatchClaim: true, BatchComplete: true}
 
 func TestConformance(t *testing.T) {
 	addrs := standaloneAddrs(t)
@@ -73,6 +73,34 @@ func TestClusterBatchSpansSlots(t *testing.T) {
 		}
 		if c.Key != reqs[i].Key || c.Outcome != want {
 			t.Fatalf("item %d: %v %v, want %v %v", i, c.Key, c.Outcome, reqs[i].Key, want)
+		}
+	}
+	// Complete the 150 acquired claims in one batch across the masters,
+	// with one stale token among them.
+	items := make([]dedup.Completion, 150)
+	for i := range items {
+		items[i] = dedup.Completion{Claim: got[i], Result: []byte(reqs[i].Key.ID)}
+	}
+	items[7].Claim.Token = dedup.NewToken()
+	errs, err := s.CompleteBatch(ctx, items, time.Hour)
+	if err != nil || len(errs) != len(items) {
+		t.Fatalf("CompleteBatch = %d results, %v", len(errs), err)
+	}
+	for i, err := range errs {
+		if (i == 7) != errors.Is(err, dedup.ErrLeaseLost) || i != 7 && err != nil {
+			t.Fatalf("completion %d: %v", i, err)
+		}
+	}
+	again, err := s.ClaimBatch(ctx, reqs[:150], time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range again {
+		switch {
+		case i == 7 && c.Outcome != dedup.InProgress:
+			t.Fatalf("the stale completion changed key %d: %v", i, c.Outcome)
+		case i != 7 && (c.Outcome != dedup.Duplicate || string(c.Result) != reqs[i].Key.ID):
+			t.Fatalf("key %d after the batch completion: %v %q", i, c.Outcome, c.Result)
 		}
 	}
 	nodes := map[string]bool{}
@@ -269,6 +297,10 @@ func TestScriptCacheFlushed(t *testing.T) {
 	got, err := s.ClaimBatch(ctx, []dedup.ClaimRequest{{Key: k}, {Key: dedup.Key{Scope: "s", ID: "n"}}}, time.Minute)
 	if err != nil || got[0].Outcome != dedup.InProgress || got[1].Outcome != dedup.Acquired {
 		t.Fatalf("batch after SCRIPT FLUSH: %v %v", got, err)
+	}
+	srv.CLI("script", "flush")
+	if errs, err := s.CompleteBatch(ctx, []dedup.Completion{{Claim: got[1], Result: []byte("n")}}, time.Hour); err != nil || errs[0] != nil {
+		t.Fatalf("batch complete after SCRIPT FLUSH: %v %v", errs, err)
 	}
 	srv.CLI("script", "flush")
 	if err := s.Complete(ctx, c, []byte("r"), time.Hour); err != nil {

@@ -1,11 +1,13 @@
 package storetest
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"runtime"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/internal/brokenstore"
@@ -101,6 +103,18 @@ func TestSuiteCatchesBrokenStores(t *testing.T) {
 			mustFail: []string{"FailedRunIsNotLost", "ReleaseThenReclaim", "LiveLeaseIsInProgress", "SequentialDuplicate"},
 		},
 		{
+			name: "batch completion that stops at the first failure",
+			newStore: func(t testing.TB, c *Clock) dedup.Store {
+				s, err := memstore.New(memstore.WithClock(c))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return stopsAtFirst{s}
+			},
+			f:        Features{ManualClock: true, BatchComplete: true},
+			mustFail: []string{"BatchComplete"},
+		},
+		{
 			name: "memstore (reference)",
 			newStore: func(t testing.TB, c *Clock) dedup.Store {
 				s, err := memstore.New(memstore.WithClock(c))
@@ -109,7 +123,7 @@ func TestSuiteCatchesBrokenStores(t *testing.T) {
 				}
 				return s
 			},
-			f: Features{ManualClock: true, Extend: true, BatchClaim: true, Sweep: true},
+			f: Features{ManualClock: true, Extend: true, BatchClaim: true, BatchComplete: true, Sweep: true},
 		},
 	}
 	for _, tc := range cases {
@@ -128,4 +142,19 @@ func TestSuiteCatchesBrokenStores(t *testing.T) {
 			}
 		})
 	}
+}
+
+// stopsAtFirst completes a batch item by item and gives up at the first
+// error, reporting it for the whole call: a fenced-out item then hides
+// the outcome of the others, and an invalid item is found only after the
+// items before it were written.
+type stopsAtFirst struct{ *memstore.Store }
+
+func (s stopsAtFirst) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
+	for _, it := range items {
+		if err := s.Complete(ctx, it.Claim, it.Result, ret); err != nil {
+			return nil, err
+		}
+	}
+	return make([]error, len(items)), nil
 }

@@ -24,6 +24,8 @@ type Features struct {
 	Extend bool
 	// BatchClaim: the store implements dedup.BatchClaimer.
 	BatchClaim bool
+	// BatchComplete: the store implements dedup.BatchCompleter.
+	BatchComplete bool
 	// Sweep: the store implements dedup.Sweeper.
 	Sweep bool
 }
@@ -89,6 +91,8 @@ func (f Features) has(name string) bool {
 		return f.Extend
 	case "BatchClaim":
 		return f.BatchClaim
+	case "BatchComplete":
+		return f.BatchComplete
 	case "Sweep":
 		return f.Sweep
 	}
@@ -174,6 +178,7 @@ var Tests = []Test{
 	{Name: "UseAfterClose", Fn: testUseAfterClose},
 	{Name: "Extend", Needs: "Extend", Fn: testExtend},
 	{Name: "BatchClaim", Needs: "BatchClaim", Fn: testBatchClaim},
+	{Name: "BatchComplete", Needs: "BatchComplete", Fn: testBatchComplete},
 	{Name: "Sweep", Needs: "Sweep", Fn: testSweep},
 }
 
@@ -732,6 +737,81 @@ func testBatchClaim(t testing.TB, e *Env) {
 	if got, err := b.ClaimBatch(context.Background(), nil, longLease); err != nil || len(got) != 0 {
 		t.Fatalf("empty ClaimBatch = %v, %v", got, err)
 	}
+}
+
+// testBatchComplete: each item of a batch completion is fenced by its own
+// token, as Complete is; one fenced-out item changes nothing and fails
+// alone; completing again is a no-op; bad input is refused before any
+// item is written.
+func testBatchComplete(t testing.TB, e *Env) {
+	b := e.Store.(dedup.BatchCompleter)
+	ctx := context.Background()
+	a := e.MustClaim(t, "a", fpA, longLease, dedup.Acquired)
+	stale := e.MustClaim(t, "taken", fpA, shortLease, dedup.Acquired)
+	c := e.MustClaim(t, "c", "", longLease, dedup.Acquired)
+	e.Advance(pastShort)
+	owner := e.MustClaim(t, "taken", fpA, longLease, dedup.Acquired) // a take-over fences out stale
+	items := []dedup.Completion{{Claim: a, Result: []byte("ra")}, {Claim: stale, Result: []byte("stale")}, {Claim: c}}
+	errs, err := b.CompleteBatch(ctx, items, retention)
+	if err != nil || len(errs) != len(items) {
+		t.Fatalf("CompleteBatch = %v, %v; want one result per item", errs, err)
+	}
+	if errs[0] != nil || errs[2] != nil || !errors.Is(errs[1], dedup.ErrLeaseLost) {
+		t.Fatalf("CompleteBatch item errors %v, want [nil ErrLeaseLost nil]", errs)
+	}
+	if d := e.MustClaim(t, "a", fpA, longLease, dedup.Duplicate); string(d.Result) != "ra" {
+		t.Fatalf("batch-completed result %q, want %q", d.Result, "ra")
+	}
+	if d := e.MustClaim(t, "c", "", longLease, dedup.Duplicate); len(d.Result) != 0 {
+		t.Fatalf("nil result came back as %q", d.Result)
+	}
+	e.MustClaim(t, "taken", fpA, longLease, dedup.InProgress) // the new owner's record is untouched
+
+	// Again, with other results: the completed items do not change.
+	items[0].Result, items[2].Result = []byte("again"), []byte("again")
+	errs, err = b.CompleteBatch(ctx, items, retention)
+	if err != nil || len(errs) != 3 || errs[0] != nil || errs[2] != nil || !errors.Is(errs[1], dedup.ErrLeaseLost) {
+		t.Fatalf("CompleteBatch again = %v, %v; want [nil ErrLeaseLost nil]", errs, err)
+	}
+	if d := e.MustClaim(t, "a", fpA, longLease, dedup.Duplicate); string(d.Result) != "ra" {
+		t.Fatalf("a second batch completion changed the result to %q", d.Result)
+	}
+	e.MustComplete(t, owner, []byte("owner"), retention)
+
+	// Invalid input: nothing is written, not even the valid items.
+	d := e.MustClaim(t, "d", fpA, longLease, dedup.Acquired)
+	notOwned := dedup.Claim{Key: e.Key("x"), Outcome: dedup.Duplicate}
+	badKey := d
+	badKey.Key = dedup.Key{Scope: e.Scope, ID: "bad\x00id"}
+	for name, bad := range map[string][]dedup.Completion{
+		"a claim that was not acquired": {{Claim: d}, {Claim: notOwned}},
+		"an invalid key":                {{Claim: d}, {Claim: badKey}},
+	} {
+		if _, err := b.CompleteBatch(ctx, bad, retention); !errors.Is(err, dedup.ErrInvalidArgument) {
+			t.Errorf("CompleteBatch with %s: %v, want ErrInvalidArgument", name, err)
+		}
+	}
+	if _, err := b.CompleteBatch(ctx, []dedup.Completion{{Claim: d}}, 0); !errors.Is(err, dedup.ErrInvalidArgument) {
+		t.Errorf("CompleteBatch with zero retention: %v, want ErrInvalidArgument", err)
+	}
+	e.MustClaim(t, "d", fpA, longLease, dedup.InProgress)
+
+	// A cancelled context: a store error, for the call or for every item.
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	errs, err = b.CompleteBatch(cctx, []dedup.Completion{{Claim: d}}, retention)
+	switch {
+	case err != nil && (!dedup.IsStoreError(err) || !errors.Is(err, context.Canceled)):
+		t.Fatalf("CompleteBatch with a cancelled context: %v, want a store error wrapping context.Canceled", err)
+	case err == nil && (len(errs) != 1 || !dedup.IsStoreError(errs[0])):
+		t.Fatalf("CompleteBatch with a cancelled context: items %v, want a store error", errs)
+	}
+	e.MustClaim(t, "d", fpA, longLease, dedup.InProgress)
+
+	if errs, err := b.CompleteBatch(ctx, nil, retention); err != nil || len(errs) != 0 {
+		t.Fatalf("empty CompleteBatch = %v, %v", errs, err)
+	}
+	e.MustComplete(t, d, nil, retention)
 }
 
 func testSweep(t testing.TB, e *Env) {

@@ -1,0 +1,386 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// A BatchHandler is the handler of [Runner.DoBatch]: it applies request i
+// under the claim c.
+type BatchHandler func(ctx context.Context, i int, c Claim) (result []byte, err error)
+
+// PanicError is a handler's panic, which [Runner.DoBatch] returns as the
+// error of the request whose handler panicked instead of panicking on.
+type PanicError struct {
+	Value any // what the handler panicked with
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("dedup: handler panicked: %v", e.Value) }
+
+// DoBatch runs h for each request in reqs, in order, and returns for each
+// the Result and error that [Runner.DoClaim] would have returned had it
+// been called for the requests one after the other, with two calls to the
+// store for the whole batch instead of two per request:
+//
+//   - Every key is claimed in one call ([ClaimBatch]: one round trip on a
+//     [BatchClaimer]). A request with an invalid key or fingerprint fails
+//     alone with its [*ArgumentError]. A store failure of that call fails
+//     every other request with it (fail closed) and no handler runs.
+//   - The handlers of the keys acquired run one at a time, in request
+//     order. A failed handler's claim is released or kept at once, as the
+//     classifier says.
+//   - Then the successes and the failures to record are completed in one
+//     call ([CompleteBatch]: one round trip on a [BatchCompleter]), on a
+//     context detached from ctx when ctx is done by then, as in Do.
+//
+// A key repeated in reqs is acquired by its first request only; the later
+// ones get an [*InProgressError], as from ClaimBatch, and do not run. Do
+// them again after DoBatch returns: they are then duplicates, or
+// acquirable if the first one failed and was released.
+//
+// Leases: a claim waits for the handlers before it, and a success waits
+// for the final complete. So while the handlers run, DoBatch extends every
+// claim it holds but is not running, each third of the lease (or each
+// heartbeat, when [WithHeartbeat] is shorter), and a claim does not expire
+// however long the batch takes: a handler starts with at least two thirds
+// of its lease left. The running handler's own claim is treated as in Do
+// (extended only with WithHeartbeat). A claim found lost while it waited,
+// or not extended for half a lease (the store failed), is not run on: it
+// is released and its request is done alone, as Do does, after the batch.
+// On a store that is not an [Extender] every request is done alone.
+//
+// A panic in h does not panic on, so that the other requests' outcomes are
+// not lost: it releases that request's claim and every claim not yet run,
+// and that request's error is a [*PanicError]; the successes before it are
+// completed, and the requests after it are then done alone, one at a time,
+// as Do does (a panic there is returned the same way). Once ctx is done,
+// the claims not yet run are released on a detached context and their
+// requests are done alone, where the claim on the done context fails
+// closed.
+//
+// Hooks see each request's claim (with the duration of the batch call),
+// and each complete, release and keep, as for Do.
+func (r *Runner) DoBatch(ctx context.Context, reqs []ClaimRequest, h BatchHandler) ([]Result, []error) {
+	res, errs := make([]Result, len(reqs)), make([]error, len(reqs))
+	if h == nil {
+		for i := range errs {
+			errs[i] = &ArgumentError{Arg: "handler", Reason: "is nil"}
+		}
+		return res, errs
+	}
+	ext, ok := r.store.(Extender)
+	if !ok {
+		for i := range reqs {
+			res[i], errs[i] = r.alone(ctx, reqs, i, h)
+		}
+		return res, errs
+	}
+	b := &batch{r: r, ctx: ctx, reqs: reqs, h: h, res: res, errs: errs}
+	b.cond.L = &b.mu
+	b.claim()
+	b.runAll(ext)
+	for _, i := range b.alone {
+		res[i], errs[i] = r.alone(ctx, reqs, i, h)
+	}
+	return res, errs
+}
+
+// alone does request i as Do does, returning a panic as a *PanicError.
+func (r *Runner) alone(ctx context.Context, reqs []ClaimRequest, i int, h BatchHandler) (res Result, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			res, err = Result{}, &PanicError{Value: p}
+		}
+	}()
+	return r.do(ctx, reqs[i].Key, reqs[i].Fingerprint, nil, func(ctx context.Context, c Claim) ([]byte, error) {
+		return h(ctx, i, c)
+	})
+}
+
+// batch is one call of DoBatch.
+type batch struct {
+	r    *Runner
+	ctx  context.Context
+	reqs []ClaimRequest
+	h    BatchHandler
+	res  []Result
+	errs []error
+
+	// The requests acquired, in order: their index in reqs, their claim
+	// and its state.
+	idx    []int
+	claims []Claim
+	alone  []int // requests done alone after the batch
+
+	start time.Time // of the batch claim
+	mu    sync.Mutex
+	cond  sync.Cond
+	st    []held
+}
+
+// held is the state of one claim the batch holds.
+type held struct {
+	waiting bool          // not running: the heartbeat keeps it alive
+	busy    bool          // an extension of it is in flight
+	lost    bool          // an extension found the lease lost
+	from    time.Duration // since start: start of the claim or of its last extension
+}
+
+// claim claims every valid request in one call and settles those that
+// will not run.
+func (b *batch) claim() {
+	r := b.r
+	observe := !r.cfg.hooks.Empty()
+	valid, at := b.reqs, []int(nil) // at: index in reqs of each valid request; nil when all are
+	for i, q := range b.reqs {
+		err := ValidateClaim(q.Key, q.Fingerprint, r.cfg.lease)
+		if err == nil {
+			if at != nil {
+				valid, at = append(valid, q), append(at, i)
+			}
+			continue
+		}
+		b.errs[i] = err
+		if observe {
+			r.claimed(b.ctx, q.Key, Claim{}, err, 0)
+		}
+		if at == nil { // the first invalid request: copy the valid ones before it
+			valid, at = make([]ClaimRequest, i, len(b.reqs)), make([]int, i, len(b.reqs))
+			copy(valid, b.reqs[:i])
+			for j := range at {
+				at[j] = j
+			}
+		}
+	}
+	if len(valid) == 0 {
+		return
+	}
+	b.start = time.Now()
+	cs, err := ClaimBatch(b.ctx, r.store, valid, r.cfg.lease)
+	if err == nil && len(cs) != len(valid) {
+		err = &StoreError{Store: r.cfg.name, Op: "claim batch", Err: errors.New("the store returned " +
+			strconv.Itoa(len(cs)) + " claims for " + strconv.Itoa(len(valid)) + " requests")}
+	}
+	took := time.Since(b.start)
+	b.idx = make([]int, 0, len(valid))
+	for j := range valid {
+		i := j
+		if at != nil {
+			i = at[j]
+		}
+		var c *Claim
+		if err == nil {
+			c = &cs[j]
+		}
+		if observe {
+			var cc Claim
+			if c != nil {
+				cc = *c
+			}
+			r.claimed(b.ctx, valid[j].Key, cc, err, took)
+		}
+		if err != nil {
+			b.errs[i] = err
+			continue
+		}
+		var done bool
+		if b.res[i], done, b.errs[i] = settled(*c); !done {
+			cs[len(b.idx)] = *c // cs is ours: keep the acquired claims at its front
+			b.idx = append(b.idx, i)
+		}
+	}
+	if err != nil {
+		return
+	}
+	b.claims = cs[:len(b.idx)]
+	b.st = make([]held, len(b.claims))
+	for j := range b.st {
+		b.st[j].waiting = true
+	}
+}
+
+// runAll runs the handlers of the acquired requests in order, keeping the
+// waiting claims alive, then completes the successes in one call.
+func (b *batch) runAll(ext Extender) {
+	if len(b.claims) == 0 {
+		return
+	}
+	r := b.r
+	if len(b.claims) > 1 {
+		stop, stopped := make(chan struct{}), make(chan struct{})
+		go b.heartbeat(ext, stop, stopped)
+		defer func() {
+			close(stop)
+			<-stopped
+		}()
+	}
+	var (
+		pending = make([]Completion, 0, len(b.claims))
+		at      = make([]int, 0, len(b.claims)) // index into claims of each pending completion
+		herrs   []error                         // the failures to record, by pending completion; nil if none
+		aborted bool                            // a handler panicked
+	)
+	for j := range b.claims {
+		c, i := &b.claims[j], b.idx[j]
+		lost, stale := b.take(j)
+		switch {
+		case lost:
+			b.alone = append(b.alone, i)
+			continue
+		case aborted || stale || b.ctx.Err() != nil:
+			b.abandon(*c)
+			b.alone = append(b.alone, i)
+			continue
+		}
+		out, herr, p, panicked := b.run(i, *c)
+		if panicked { // run released the claim
+			b.errs[i] = &PanicError{Value: p}
+			aborted = true
+			continue
+		}
+		op, stored := r.disposal(out, herr)
+		if op == "complete" {
+			b.wait(j)
+			if herr != nil && herrs == nil {
+				herrs = make([]error, len(pending), cap(pending))
+			}
+			if herrs != nil {
+				herrs = append(herrs, herr)
+			}
+			pending, at = append(pending, Completion{Claim: *c, Result: stored}), append(at, j)
+			continue
+		}
+		fctx, cancel := r.finalContext(b.ctx)
+		b.res[i], b.errs[i] = finished(b.res[i], op, nil, herr, r.finish(fctx, *c, op, nil))
+		cancel()
+	}
+	if len(pending) == 0 {
+		return
+	}
+	fctx, cancel := r.finalContext(b.ctx)
+	defer cancel()
+	for k, err := range r.completeBatch(fctx, pending) {
+		var herr error
+		if herrs != nil {
+			herr = herrs[k]
+		}
+		i := b.idx[at[k]]
+		b.res[i], b.errs[i] = finished(b.res[i], "complete", pending[k].Result, herr, err)
+	}
+}
+
+// run runs request i's handler under c as Do does, and recovers a panic
+// (after which the claim is released).
+func (b *batch) run(i int, c Claim) (out []byte, herr error, p any, panicked bool) {
+	defer func() {
+		if p = recover(); p != nil {
+			panicked = true
+		}
+	}()
+	out, herr = b.r.run(b.ctx, c, nil, func(ctx context.Context, c Claim) ([]byte, error) { return b.h(ctx, i, c) })
+	return out, herr, nil, false
+}
+
+// take takes claim j off the heartbeat to run it, once no extension of
+// it is in flight, and says whether it was found lost or went without an
+// extension for half a lease.
+func (b *batch) take(j int) (lost, stale bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	s := &b.st[j]
+	for s.busy {
+		b.cond.Wait()
+	}
+	s.waiting = false
+	return s.lost, time.Since(b.start)-s.from > b.r.cfg.lease/2
+}
+
+// wait hands claim j, a success waiting for its completion, back to the
+// heartbeat.
+func (b *batch) wait(j int) {
+	b.mu.Lock()
+	b.st[j].waiting = true
+	b.mu.Unlock()
+}
+
+// abandon releases a claim the batch will not run on.
+func (b *batch) abandon(c Claim) {
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(b.ctx), b.r.cfg.finalizeTimeout)
+	defer cancel()
+	_ = b.r.finish(fctx, c, "release", nil)
+}
+
+// heartbeat extends every waiting claim each beat until stop is closed.
+func (b *batch) heartbeat(ext Extender, stop <-chan struct{}, stopped chan<- struct{}) {
+	defer close(stopped)
+	lease := b.r.cfg.lease
+	every := lease / 3
+	if hb := b.r.cfg.heartbeat; hb > 0 && hb < every {
+		every = hb
+	}
+	every = max(every, time.Millisecond)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+		}
+		for j := range b.claims {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			b.mu.Lock()
+			s := &b.st[j]
+			if !s.waiting || s.lost {
+				b.mu.Unlock()
+				continue
+			}
+			s.busy = true
+			b.mu.Unlock()
+			from := time.Since(b.start)
+			_, err := ext.Extend(b.ctx, b.claims[j], lease)
+			b.mu.Lock()
+			s.busy = false
+			switch {
+			case err == nil:
+				s.from = from
+			case errors.Is(err, ErrLeaseLost):
+				s.lost = true
+			}
+			b.cond.Broadcast()
+			b.mu.Unlock()
+		}
+	}
+}
+
+// completeBatch completes items in one call and emits a finish event for
+// each.
+func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error {
+	start := time.Now()
+	errs, err := CompleteBatch(ctx, r.store, items, r.cfg.retention)
+	if err == nil && len(errs) != len(items) {
+		err = &StoreError{Store: r.cfg.name, Op: "complete batch", Err: errors.New("the store returned " +
+			strconv.Itoa(len(errs)) + " results for " + strconv.Itoa(len(items)) + " completions")}
+	}
+	if err != nil {
+		errs = make([]error, len(items))
+		for k := range errs {
+			errs[k] = err
+		}
+	}
+	if !r.cfg.hooks.Empty() {
+		took := time.Since(start)
+		for k, it := range items {
+			r.cfg.hooks.Finished(ctx, FinishEvent{Store: r.cfg.name, Key: it.Claim.Key, Op: "complete", Duration: took, Err: errs[k]})
+		}
+	}
+	return errs
+}
