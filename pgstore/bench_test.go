@@ -6,6 +6,12 @@ package pgstore_test
 //
 //	go test -run '^$' -bench . -benchtime 2s ./pgstore/
 //
+// BenchmarkInbox and BenchmarkSweep count ops as rounds and passes; give
+// them a count, as docs/benchmarks.md does:
+//
+//	go test -run '^$' -bench 'Inbox' -benchtime 40x ./pgstore/
+//	go test -run '^$' -bench 'Sweep' -benchtime 10x ./pgstore/
+//
 // The baselines: one INSERT ... ON CONFLICT DO NOTHING per message in
 // autocommit (the naive shape), the raw unnest ... ON CONFLICT DO NOTHING
 // ceiling at the batch sizes the store uses, CopyFrom (no conflict check
@@ -195,16 +201,81 @@ func schemaOf(s *pgstore.Store) string {
 	return q[1 : len(q)-1]
 }
 
+// interleave runs cases side by side, so that the drift of a noisy
+// machine hits them alike: every op of b is one round in which each case
+// runs a block of transactions from par goroutines in turn, in an order
+// that rotates from round to round. It returns each case's transactions
+// per second over its own time.
+func interleave(b *testing.B, par, block int, cases []func(id string) error) []float64 {
+	g := newIDs()
+	run := func(f func(id string) error) time.Duration {
+		var left atomic.Int64
+		left.Store(int64(block))
+		start := time.Now()
+		var wg sync.WaitGroup
+		for range par {
+			wg.Go(func() {
+				for left.Add(-1) >= 0 {
+					if err := f(g.next()); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if b.Failed() {
+			b.FailNow()
+		}
+		return time.Since(start)
+	}
+	for _, f := range cases {
+		run(f) // the pool dials its connections, statements get prepared
+	}
+	took := make([]time.Duration, len(cases))
+	rounds := 0
+	b.ResetTimer()
+	for b.Loop() {
+		for k := range cases {
+			i := (k + rounds) % len(cases)
+			took[i] += run(cases[i])
+		}
+		rounds++
+	}
+	tps := make([]float64, len(cases))
+	for i := range cases {
+		tps[i] = float64(rounds*block) / took[i].Seconds()
+	}
+	return tps
+}
+
 // BenchmarkInbox compares a business transaction that inserts one ledger
 // row (BEGIN, INSERT, COMMIT; the ledger has a serial primary key, as
-// ledgers do) with the same transaction through RunInbox,
-// which adds the dedup record in the same transaction, from one goroutine
-// and from 16.
+// ledgers do) with the same transaction through RunInbox, which adds the
+// dedup record in the same transaction, from one goroutine and from 16.
+// The cases run interleaved (see interleave) and each reports tx/s; the
+// ratios are the bare transaction's rate over the inbox's (how many times
+// slower):
+//
+//   - bare: the business transaction alone (3 round trips).
+//   - floor: the same plus a naive INSERT ... ON CONFLICT DO NOTHING of
+//     the key into a table laid out like the records table (4 round
+//     trips): the WAL and index writes of any inbox.
+//   - floor-pipelined: that insert sent in one batch with the BEGIN (3
+//     round trips): the least an inbox can cost in round trips and rows.
+//   - inbox: RunInbox with the same write (3 round trips).
+//   - inbox-with-result: the handler also returns a result, stored by an
+//     UPDATE sent with the COMMIT (3 round trips).
+//   - inbox-partitioned: RunInbox on the partitioned store.
+//   - inbox-caller-tx: Inbox in a transaction the caller begins and
+//     commits (4 round trips), as RunInbox did before it pipelined.
 func BenchmarkInbox(b *testing.B) {
 	s, raw := benchStore(b)
 	sp, _ := benchStore(b, pgstore.WithPartitions(24*time.Hour))
+	sc, _ := benchStore(b)
+	pgstore.UseCaseInbox(sc)
 	ctx := context.Background()
-	for _, st := range []*pgstore.Store{s, sp} {
+	for _, st := range []*pgstore.Store{s, sp, sc} {
 		if _, err := st.Pool().Exec(ctx, `CREATE TABLE `+st.Tables().Schema+`.ledger (entry bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, msg_id text NOT NULL, amount bigint NOT NULL)`); err != nil {
 			b.Fatal(err)
 		}
@@ -214,20 +285,24 @@ VALUES ($1, $2, 2, '\x01', now(), now() + interval '1 hour', 1) ON CONFLICT DO N
 	write := func(st *pgstore.Store) string {
 		return `INSERT INTO ` + st.Tables().Schema + `.ledger (msg_id, amount) VALUES ($1, 100)`
 	}
-	cases := []struct {
-		name string
-		f    func(id string) error
-	}{
-		{"bare-business-tx", func(id string) error {
+	runInbox := func(st *pgstore.Store, result []byte) func(id string) error {
+		return func(id string) error {
+			_, err := st.RunInbox(ctx, dedup.Key{Scope: benchScope, ID: id}, fpA, time.Hour, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				_, err := tx.Exec(ctx, write(st), id)
+				return result, err
+			})
+			return err
+		}
+	}
+	names := []string{"bare", "floor", "floor-pipelined", "inbox", "inbox-with-result", "inbox-partitioned", "inbox-caller-tx", "inbox-case-upsert"}
+	cases := []func(id string) error{
+		func(id string) error {
 			return pgx.BeginFunc(ctx, s.Pool(), func(tx pgx.Tx) error {
 				_, err := tx.Exec(ctx, write(s), id)
 				return err
 			})
-		}},
-		// The floor of any inbox: the same transaction plus a naive
-		// dedup insert (ON CONFLICT DO NOTHING, no RETURNING) into a
-		// table laid out like the records table.
-		{"bare-tx-plus-naive-dedup-insert", func(id string) error {
+		},
+		func(id string) error {
 			return pgx.BeginFunc(ctx, s.Pool(), func(tx pgx.Tx) error {
 				if _, err := tx.Exec(ctx, naiveDedup, benchScope, id); err != nil {
 					return err
@@ -235,52 +310,90 @@ VALUES ($1, $2, 2, '\x01', now(), now() + interval '1 hour', 1) ON CONFLICT DO N
 				_, err := tx.Exec(ctx, write(s), id)
 				return err
 			})
-		}},
-		{"store-run-inbox", func(id string) error {
-			_, err := s.RunInbox(ctx, dedup.Key{Scope: benchScope, ID: id}, fpA, time.Hour, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-				_, err := tx.Exec(ctx, write(s), id)
-				return nil, err
+		},
+		func(id string) error {
+			var batch pgx.Batch
+			batch.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+			batch.Queue(naiveDedup, benchScope, id)
+			br := s.Pool().SendBatch(ctx, &batch)
+			tx := br.Tx()
+			defer tx.Rollback(ctx)
+			if err := br.Close(); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, write(s), id); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		},
+		runInbox(s, nil),
+		runInbox(s, []byte("receipt")),
+		runInbox(sp, nil),
+		func(id string) error {
+			return pgx.BeginTxFunc(ctx, s.Pool(), pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+				_, err := s.Inbox(ctx, tx, dedup.Key{Scope: benchScope, ID: id}, fpA, time.Hour, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+					_, err := tx.Exec(ctx, write(s), id)
+					return nil, err
+				})
+				return err
 			})
-			return err
-		}},
-		{"store-run-inbox-partitioned", func(id string) error {
-			_, err := sp.RunInbox(ctx, dedup.Key{Scope: benchScope, ID: id}, fpA, time.Hour, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-				_, err := tx.Exec(ctx, write(sp), id)
-				return nil, err
-			})
-			return err
-		}},
+		},
+		runInbox(sc, nil),
 	}
 	for _, par := range []int{1, 16} {
-		for _, c := range cases {
-			b.Run(fmt.Sprintf("%s/goroutines=%d", c.name, par), func(b *testing.B) {
-				g := newIDs()
-				if par == 1 {
-					for b.Loop() {
-						if err := c.f(g.next()); err != nil {
-							b.Fatal(err)
-						}
-					}
-				} else {
-					b.SetParallelism(max(1, par/runtime.GOMAXPROCS(0)))
-					b.RunParallel(func(pb *testing.PB) {
-						for pb.Next() {
-							if err := c.f(g.next()); err != nil {
-								b.Error(err)
-								return
-							}
-						}
-					})
-				}
-				perSecond(b, b.N, "tx/s")
-			})
-		}
+		b.Run(fmt.Sprintf("goroutines=%d", par), func(b *testing.B) {
+			tps := interleave(b, par, 20*par, cases)
+			for i, name := range names {
+				b.ReportMetric(tps[i], name+"-tx/s")
+			}
+			b.ReportMetric(tps[0]/tps[3], "inbox-x-bare")
+			b.ReportMetric(tps[0]/tps[1], "floor-x-bare")
+			b.ReportMetric(tps[0]/tps[2], "floor-pipelined-x-bare")
+			b.ReportMetric(tps[2]/tps[3], "inbox-x-floor-pipelined")
+			b.ReportMetric(tps[0]/tps[4], "inbox-with-result-x-bare")
+			b.ReportMetric(tps[0]/tps[5], "inbox-partitioned-x-bare")
+			b.ReportMetric(tps[0]/tps[6], "inbox-caller-tx-x-bare")
+			b.ReportMetric(tps[0]/tps[7], "inbox-case-upsert-x-bare")
+		})
+	}
+}
+
+// vacuum vacuums s's records table, as autovacuum would between passes
+// (it is off on the test server): the dead index entries of the last op
+// go, so that they do not slow the next, and the rows just seeded get
+// the hint bits that rows long in the table have.
+func vacuum(b *testing.B, s *pgstore.Store) {
+	b.Helper()
+	if _, err := s.Pool().Exec(context.Background(), `VACUUM `+records(s)); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// settle writes out the pages that seeding and vacuuming dirtied, so that
+// the background writer does not flush them during the next window and
+// stall whichever window comes first. (Checkpoints come every few
+// minutes in production anyway.) CHECKPOINT needs superuser or
+// pg_checkpoint.
+func settle(b *testing.B, s *pgstore.Store) {
+	b.Helper()
+	if _, err := s.Pool().Exec(context.Background(), `CHECKPOINT`); err != nil {
+		b.Fatalf("CHECKPOINT (the benchmark needs superuser or pg_checkpoint): %v", err)
 	}
 }
 
 // BenchmarkSweep measures the sweeper deleting expired rows from a table
-// that also holds live rows (one op: 50,000 expired rows), alone and under
-// claim load, and the same rows removed by dropping their partition.
+// that also holds live rows (one op: 50,000 expired rows, with distinct
+// expiries), alone and under claim load, and the same rows removed by
+// dropping their partition. The table is vacuumed after each seeding, and
+// under claim load checkpointed, with the timer stopped.
+//
+// Under claim load, one op is a pass of a [pgstore.SweepJob] with the
+// sub-benchmark's options while 4 goroutines claim new keys, and a window
+// as long with the same claims and no sweeper, in alternating order so
+// that drift hits both. It reports the pass's rows/s, the p99 claim
+// latency of each window over all ops, and their ratio. Every batch is a
+// transaction whose commit flushes its WAL; smaller batches and pauses
+// trade sweep speed for claim latency.
 func BenchmarkSweep(b *testing.B) {
 	const rows = 50_000
 	s, _ := benchStore(b)
@@ -290,6 +403,7 @@ func BenchmarkSweep(b *testing.B) {
 		for b.Loop() {
 			b.StopTimer()
 			seed(b, s, fmt.Sprintf("old-%08x-", rand.Uint32()), rows, time.Minute)
+			vacuum(b, s)
 			b.StartTimer()
 			r, err := s.SweepUntilEmpty(ctx, 5000, 0, 0)
 			if err != nil || r.Deleted != rows {
@@ -298,10 +412,6 @@ func BenchmarkSweep(b *testing.B) {
 		}
 		perSecond(b, b.N*rows, "rows/s")
 	})
-	// Claims from 4 goroutines run while the sweeper works, and for as long
-	// before it with no sweeper; the p99 of each set is reported. Smaller
-	// batches and a pause between them trade sweep speed for claim
-	// latency: every batch is one transaction whose commit flushes its WAL.
 	g := newIDs()
 	claims := func(stop <-chan struct{}) []time.Duration {
 		var mu sync.Mutex
@@ -330,6 +440,36 @@ func BenchmarkSweep(b *testing.B) {
 		wg.Wait()
 		return lat
 	}
+	// window runs claims while f runs (or for d if f is nil).
+	window := func(d time.Duration, f func()) []time.Duration {
+		stop := make(chan struct{})
+		res := make(chan []time.Duration)
+		go func() { res <- claims(stop) }()
+		if f != nil {
+			f()
+		} else {
+			time.Sleep(d)
+		}
+		close(stop)
+		return <-res
+	}
+	pass := func(opts pgstore.SweepOptions) pgstore.SweepResult {
+		done := make(chan pgstore.SweepResult, 1)
+		opts.Interval = time.Hour // one pass
+		opts.OnPass = func(r pgstore.SweepResult, err error) {
+			if err != nil {
+				b.Error(err)
+			}
+			done <- r
+		}
+		j, err := s.StartSweeping(opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer j.Close()
+		return <-done
+	}
+	window(300*time.Millisecond, nil) // the pool dials its connections
 	p99 := func(lat []time.Duration) time.Duration {
 		slices.Sort(lat)
 		if len(lat) == 0 {
@@ -338,35 +478,50 @@ func BenchmarkSweep(b *testing.B) {
 		return lat[len(lat)*99/100]
 	}
 	for _, tc := range []struct {
-		batch int
-		pause time.Duration
-	}{{5000, 0}, {1000, 0}, {1000, 4 * time.Millisecond}, {500, 2 * time.Millisecond}, {250, time.Millisecond}} {
-		b.Run(fmt.Sprintf("sweeper-under-claim-load/batch=%d/pause=%s", tc.batch, tc.pause), func(b *testing.B) {
+		name string
+		opts pgstore.SweepOptions
+	}{
+		{"batch=5000/no-pause", pgstore.SweepOptions{BatchSize: 5000, Pause: -1, PauseRatio: -1}},
+		{"batch=1000/no-pause", pgstore.SweepOptions{BatchSize: 1000, Pause: -1, PauseRatio: -1}},
+		{"batch=1000/pause=2ms", pgstore.SweepOptions{BatchSize: 1000, Pause: 2 * time.Millisecond, PauseRatio: -1}},
+		{"batch=1000/pause-ratio=1", pgstore.SweepOptions{BatchSize: 1000}},
+		{"default/batch=500/pause-ratio=1", pgstore.SweepOptions{}},
+	} {
+		b.Run("sweeper-under-claim-load/"+tc.name, func(b *testing.B) {
 			var idle, busy []time.Duration
+			var took time.Duration
+			i := 0
 			for b.Loop() {
 				b.StopTimer()
 				seed(b, s, fmt.Sprintf("old-%08x-", rand.Uint32()), rows, time.Minute)
-				stop := make(chan struct{})
-				res := make(chan []time.Duration)
-				go func() { res <- claims(stop) }()
-				b.StartTimer()
-				start := time.Now()
-				r, err := s.SweepUntilEmpty(ctx, tc.batch, 0, tc.pause)
-				took := time.Since(start)
-				b.StopTimer()
-				close(stop)
-				busy = append(busy, <-res...)
-				if err != nil || r.Deleted != rows {
-					b.Fatal(r.Deleted, err)
+				vacuum(b, s)
+				settle(b, s)
+				var r pgstore.SweepResult
+				sweep := func() {
+					b.StartTimer() // b's time is the passes'
+					r = pass(tc.opts)
+					b.StopTimer()
 				}
-				stop = make(chan struct{})
-				go func() { res <- claims(stop) }()
-				time.Sleep(took)
-				close(stop)
-				idle = append(idle, <-res...)
+				if i%2 == 0 {
+					busy = append(busy, window(0, sweep)...)
+					idle = append(idle, window(r.Elapsed, nil)...)
+				} else {
+					// As long as the last pass, or 0.5s at first.
+					d := 500 * time.Millisecond
+					if i > 0 {
+						d = took / time.Duration(i)
+					}
+					idle = append(idle, window(d, nil)...)
+					busy = append(busy, window(0, sweep)...)
+				}
+				if r.Deleted != rows {
+					b.Fatalf("a pass deleted %d rows, want %d", r.Deleted, rows)
+				}
+				took += r.Elapsed
+				i++
 				b.StartTimer()
 			}
-			perSecond(b, b.N*rows, "rows/s")
+			b.ReportMetric(float64(i*rows)/took.Seconds(), "rows/s")
 			pi, pb := p99(idle), p99(busy)
 			b.ReportMetric(float64(pi.Microseconds()), "claim-p99-idle-us")
 			b.ReportMetric(float64(pb.Microseconds()), "claim-p99-sweeping-us")

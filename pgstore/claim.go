@@ -96,11 +96,26 @@ type batcher interface {
 // snapshot, so the claim sees every commit made before the lock.
 func (s *Store) lockedRow(ctx context.Context, b batcher, lock int64, query string, r *row, args ...any) error {
 	var batch pgx.Batch
+	s.queueLocked(&batch, lock, query, args...)
+	br := b.SendBatch(ctx, &batch)
+	err := readLocked(br, r)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// queueLocked queues on batch the key's advisory lock and then the
+// partitioned claim statement query, for readLocked.
+func (s *Store) queueLocked(batch *pgx.Batch, lock int64, query string, args ...any) {
 	batch.Queue(s.sql.lock, lock)
 	batch.Queue(query, args...)
-	br := b.SendBatch(ctx, &batch)
+}
+
+// readLocked reads the results of what queueLocked queued, the claim's
+// row into r. The caller closes br.
+func readLocked(br pgx.BatchResults, r *row) error {
 	if _, err := br.Exec(); err != nil {
-		br.Close()
 		return err
 	}
 	var scope, id string
@@ -108,9 +123,6 @@ func (s *Store) lockedRow(ctx context.Context, b batcher, lock int64, query stri
 	err := br.QueryRow().Scan(dest...)
 	if errors.Is(err, pgx.ErrNoRows) {
 		err = errNotReadCommitted
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
 	}
 	return err
 }

@@ -73,7 +73,9 @@
 // timestamps and arrays (the batch claim sends four arrays in one bind),
 // prepared statements cached per connection, and typed errors. Its
 // pipelined batches let the partitioned claim send the key's lock and the
-// claim in one round trip, in one implicit transaction. pgxpool is a
+// claim in one round trip, in one implicit transaction, and RunInbox
+// begin its transaction in the round trip of its first statement
+// (Batch.BeginTx) and commit in the round trip of its last. pgxpool is a
 // connection pool without database/sql's extra layer, CopyFrom is the bulk
 // path the benchmarks use as an upper bound, and pgconn's SafeToRetry and
 // cancel requests give the precise failure classes above. database/sql
@@ -98,13 +100,17 @@
 // abort the caller's transaction (CAMEL-24048). [Store.EnqueueOutbox]
 // writes outgoing messages to the outbox table in the same transaction,
 // for a relay to publish. The inbox costs the business transaction one
-// more statement and one more indexed row. Measured here (pgbench and
-// BenchmarkInbox), a transaction that inserts one ledger row runs through
-// the inbox at 0.55-0.7x the rate of the bare transaction; the same
-// transaction with a naive INSERT ... ON CONFLICT DO NOTHING of the dedup
-// key, the floor any inbox pays in WAL and index page writes, runs at
-// 0.6-0.95x, and the store's upsert runs at 0.65-0.98x of that floor.
-// Both modes share the records: an inbox
+// more statement and one more indexed row; RunInbox sends that statement
+// in one round trip with the BEGIN, and the handler's result with the
+// COMMIT, so it adds no round trip. Measured here (BenchmarkInbox, cases
+// interleaved; docs/benchmarks.md), a transaction that inserts one ledger
+// row runs through RunInbox at 0.62-0.70x the rate of the bare
+// transaction from one goroutine and 0.58-0.65x from 16; with a naive
+// INSERT ... ON CONFLICT DO NOTHING of the dedup key sent with its BEGIN,
+// the floor any inbox pays in WAL, index and CPU, it runs at 0.82-0.85x
+// and 0.72-0.78x. The rest is the server's time on the store's upsert:
+// the lookup of the scope's retention window, and the set-up of its
+// conflict branch. Both modes share the records: an inbox
 // delivery takes over the expired lease of a crashed lease-mode owner and
 // reports a live one as in progress.
 //
@@ -134,9 +140,17 @@
 // that picks its rows by the expires_at index and FOR UPDATE SKIP LOCKED
 // and deletes them by ctid: it never waits for a row a claim holds, holds
 // its row locks only for its own batch, and reports how late it is (the
-// lag between expiry and deletion). In-progress records are swept only
-// after their lease plus a grace ([WithInProgressGrace], 24h), so that a
-// crashed owner's record is taken over with attempt + 1 first.
+// lag between expiry and deletion). Each batch of a pass resumes the index
+// scan at the latest expiry the batch before deleted, so a batch costs the
+// same at the end of a large backlog as at its start (the deleted rows'
+// index entries stay until vacuum); a row skipped because a transaction
+// held it waits for the next pass. The background job paces itself by a
+// duty cycle: after each batch it pauses as long as the batch took
+// ([SweepOptions.PauseRatio]), so it leaves half the machine to claims
+// whatever the machine, and pauses longer when load slows its batches.
+// In-progress records are swept only after their lease plus a grace
+// ([WithInProgressGrace], 24h), so that a crashed owner's record is taken
+// over with attempt + 1 first.
 //
 // For very high volume, [WithPartitions] moves the records to a table
 // partitioned by the time of each record's latest acquisition, and cleanup
@@ -160,11 +174,12 @@
 //
 // When to pick which, measured with bench_test.go on a shared 2-core
 // machine (ratios from one run; absolute figures vary by ±30% from run to
-// run): the sweeper deletes about 430k expired rows/s in batches of 5000
-// (80-140k rows/s with the job's default small batches and pauses, which
-// keep the p99 of concurrent claims at 2-3x its idle value instead of
-// 5-6x); dropping a partition of 50,000 expired rows takes about 20ms
-// (2.4M rows/s) whatever its size, and leaves no dead tuples. In exchange a
+// run): the sweeper deletes about 400k expired rows/s under claim load in
+// batches of 5000 without pauses, raising the p99 of concurrent claims
+// about 5x; the job's default pacing (batches of 500, a pause as long as
+// each batch) deletes 130-145k rows/s and keeps it at 1.5-1.7x its idle
+// value. Dropping a partition of 50,000 expired rows takes about 15-20ms
+// (2.4-3.4M rows/s) whatever its size, and leaves no dead tuples. In exchange a
 // partitioned claim costs more: 0.63x the single claims/s of the plain
 // table from one goroutine (0.59x from 16), 0.70x the batch throughput at
 // 100 and 1000 keys. Use the plain table with the sweeper unless records

@@ -35,7 +35,7 @@ func TestKillBackendMidTransaction(t *testing.T) {
 		pool := newPool(t, 4)
 		s := openStoreOn(t, pool, freshSchema(t, pool), m.opts...)
 		fx := business(t, s)
-		for _, when := range []string{"inside the handler", "before the commit"} {
+		for _, when := range []string{"inside the handler", "before the commit", "before the commit of a result"} {
 			id := "kill/" + when
 			var runs atomic.Int32
 			c, err := s.RunInbox(context.Background(), key(id), fpA, day, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
@@ -50,12 +50,17 @@ func TestKillBackendMidTransaction(t *testing.T) {
 					_, err := tx.Exec(ctx, `INSERT INTO `+fx+` (msg_id) VALUES ($1)`, id)
 					return nil, err
 				}
+				if when == "before the commit of a result" {
+					// The result's UPDATE and the COMMIT, in one batch,
+					// meet the dead connection.
+					return []byte("r"), nil
+				}
 				return nil, nil // the commit meets the dead connection
 			})
 			if err == nil || c.Outcome == dedup.Acquired {
 				t.Fatalf("%s: RunInbox on a killed backend = %+v, %v; want an error", when, c, err)
 			}
-			if when == "before the commit" && !dedup.IsStoreError(err) {
+			if when != "inside the handler" && !dedup.IsStoreError(err) {
 				t.Fatalf("%s: error %v, want a *dedup.StoreError", when, err)
 			}
 			if n, r := effects(t, s, fx, id), countRecords(t, s, id); n != 0 || r != 0 {

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -180,11 +181,33 @@ func (s *Store) InboxSQL(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedu
 // and h's error returned unchanged; nothing remains, and the redelivery
 // applies the message.
 //
+// It spends as few round trips as the steps allow: the BEGIN and the
+// record's upsert (on a partitioned store, the key's lock as well) go in
+// one pipelined batch, then h's statements, then the COMMIT, sent in one
+// batch with the UPDATE that stores h's result when there is one. A new
+// message therefore costs the round trips of a bare transaction doing h's
+// writes. On the plain table the claim updates a conflicting row only
+// when it can take it (each column a plain assignment, not a CASE), so a
+// key it cannot take comes back empty and is read, locked, in one more
+// statement: a duplicate costs three round trips (the batch, the read,
+// the ROLLBACK).
+//
+// h gets a pgx.Tx that is pgx's own transaction underneath: nested
+// transactions (tx.Begin, on savepoints), LargeObjects and every other
+// method work as on a transaction from pgx's pool, and after RunInbox
+// returns every method returns an error wrapping pgx.ErrTxClosed. h must
+// not commit or roll it back itself; if it does, RunInbox returns a
+// [*dedup.StoreError] (NotApplied if it rolled back). When h has used a
+// nested transaction or LargeObjects, its result's UPDATE and the COMMIT
+// take two round trips instead of one.
+//
 // A store error before the commit is NotApplied: the transaction never
 // committed. A failed commit is NotApplied only when PostgreSQL reported
 // the rollback; otherwise (the connection broke during COMMIT) the outcome
 // is unknown, and the record and h's writes are committed together or not
-// at all, so the redelivery finds out which.
+// at all, so the redelivery finds out which. The connection goes back to
+// the pool idle, or is closed when its state is unknown; it is never
+// returned inside a transaction, whatever h or the context does.
 func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, h InboxHandler) (dedup.Claim, error) {
 	if err := validateInbox(key, fp, retention, h == nil); err != nil {
 		return dedup.Claim{}, err
@@ -192,43 +215,102 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if err := s.begin(ctx, "inbox"); err != nil {
 		return dedup.Claim{}, err
 	}
-	tx, err := s.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox begin", err, true)
 	}
-	done := false
+	tok := dedup.NewToken()
+	var b pgx.Batch
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention)}
+	if s.cfg.partition > 0 {
+		s.queueLocked(&b, s.keyLock(key), s.sql.pInbox, args...)
+	} else {
+		b.Queue(s.inboxStmt(), args...)
+	}
+	br := conn.Conn().SendBatch(ctx, &b)
+	tx := &inboxTx{tx: br.Tx(), conn: conn.Conn()}
 	defer func() {
-		if !done {
-			// A handler error or panic: without a commit nothing is
-			// applied, whatever Rollback says.
-			rollback(ctx, tx)
-		}
+		// Whatever happened (a store error, a duplicate, a handler
+		// error or panic, a cancelled context), nothing that did not
+		// commit stays open: roll back, and the pool destroys a
+		// connection that is not idle after that.
+		tx.end(ctx)
+		conn.Release()
 	}()
-	c, herr, serr := s.inbox(ctx, tx, key, fp, retention, h)
-	if serr != nil {
-		done = true
-		rollback(ctx, tx)
-		serr.NotApplied = true // never committed
-		return dedup.Claim{}, serr
+	op := "inbox begin"
+	_, err = br.Exec()
+	var r row
+	taken := true // the claim returned the row it acquired
+	if err == nil {
+		op = "inbox"
+		if s.cfg.partition > 0 {
+			err = readLocked(br, &r)
+		} else if err = br.QueryRow().Scan(r.dest()...); errors.Is(err, pgx.ErrNoRows) {
+			taken, err = false, nil
+		}
 	}
-	if herr != nil {
-		return dedup.Claim{}, herr
+	if cerr := br.Close(); err == nil {
+		err = cerr
 	}
-	done = true
+	if err == nil && !taken {
+		// A key the claim could not take: it locked the row; read it. One
+		// more round trip, for duplicates only, buys the claim of a new
+		// key a statement without a CASE per column.
+		err = tx.QueryRow(ctx, s.sql.current, key.Scope, key.ID).Scan(r.dest()...)
+	}
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, op, err, true) // never committed
+	}
+	c, err := outcome(key, fp, &tok, &r)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox", err, true)
+	}
 	if c.Outcome != dedup.Acquired {
-		rollback(ctx, tx) // nothing to keep; releases the row lock
+		return c, nil // nothing to keep; the deferred rollback releases the row lock
+	}
+	out, err := h(ctx, tx)
+	if err != nil {
+		return dedup.Claim{}, err
+	}
+	if tx.ended {
+		return dedup.Claim{}, s.fail(ctx, "inbox commit", errHandlerEnded, tx.rolledBack)
+	}
+	if out == nil {
+		if err := tx.Commit(ctx); err != nil {
+			return dedup.Claim{}, s.fail(ctx, "inbox commit", err, tx.rolledBack)
+		}
 		return c, nil
 	}
-	if err := tx.Commit(ctx); err != nil {
-		certain := errors.Is(err, pgx.ErrTxCommitRollback) || statementFailed(err)
-		return dedup.Claim{}, s.fail(ctx, "inbox commit", err, certain)
+	notApplied, err := tx.commitWith(ctx, s.sql.inboxResultChecked, key.Scope, key.ID, tok[:], out)
+	if err != nil {
+		if isRecordCheck(err) {
+			err = fmt.Errorf("the handler removed or changed the inbox record of key %s: %w", key, err)
+		}
+		return dedup.Claim{}, s.fail(ctx, "inbox commit", err, notApplied)
 	}
+	c.Result = out
 	return c, nil
 }
 
+// inboxStmt is RunInbox's claim on the plain table.
+func (s *Store) inboxStmt() string {
+	if s.caseInbox {
+		return s.sql.inbox
+	}
+	return s.sql.inboxFast
+}
+
+// errHandlerEnded is the failure of a RunInbox whose handler committed or
+// rolled back the transaction itself.
+var errHandlerEnded = errors.New("the handler ended RunInbox's transaction itself; return from the handler instead, and RunInbox commits (nil error) or rolls back (an error)")
+
+// rollbackTimeout bounds a rollback run after the caller's context ended.
+const rollbackTimeout = 5 * time.Second
+
 // rollback ends tx, on a context that outlives a cancelled ctx.
 func rollback(ctx context.Context, tx pgx.Tx) {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
 	defer cancel()
 	_ = tx.Rollback(rctx)
 }

@@ -1,8 +1,11 @@
 package pgstore
 
 import (
+	"errors"
 	"strconv"
 	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // statements holds the SQL of every transition, rendered once per store
@@ -10,6 +13,10 @@ import (
 type statements struct {
 	// Plain records table: one statement each.
 	claim, inbox, claimBatch string
+	// inboxFast is inbox that writes only when it acquires (DO UPDATE ...
+	// WHERE): it returns no row for a key it cannot take, whose row it
+	// still locks, and current then reads that row.
+	inboxFast, current string
 	// Partitioned table: run after the key's advisory lock (lock or
 	// lockMany) in the same transaction, in a later statement so that its
 	// snapshot sees every commit made before the lock was granted.
@@ -17,8 +24,12 @@ type statements struct {
 	lock, lockMany              string
 	// Token-fenced transitions, on whichever table the store uses.
 	complete, release, extend, inboxResult string
-	sweep                                  string
-	outbox                                 string
+	// inboxResultChecked is inboxResult for a pipeline that commits
+	// next: it fails, instead of updating nothing, when the record is
+	// not there as the inbox wrote it (see recordCheck).
+	inboxResultChecked string
+	sweep              string
+	outbox             string
 }
 
 // The columns every claim returns, in the order scanRow reads them.
@@ -99,6 +110,27 @@ VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, NULL, ` + k.l
 RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
 }
 
+// plainAcquire is plainUpsert that updates a conflicting row only when it
+// is acquirable, so each column is a plain assignment instead of a CASE
+// on that condition. A row it cannot take is locked (ON CONFLICT DO
+// UPDATE locks the conflicting row whatever its WHERE says) but not
+// returned: read it with the current statement in the same transaction.
+func plainAcquire(n *names, k kind) string {
+	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
+VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
+ON CONFLICT (scope, id) DO UPDATE SET
+	state       = excluded.state,
+	token       = excluded.token,
+	fingerprint = CASE WHEN r.state = 2 OR r.fingerprint = ''::bytea THEN excluded.fingerprint ELSE r.fingerprint END,
+	result      = NULL,
+	lease_until = excluded.lease_until,
+	expires_at  = excluded.expires_at,
+	attempts    = CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END,
+	created_at  = CASE WHEN r.state = 2 THEN excluded.created_at ELSE r.created_at END
+WHERE ` + acquirable("r", "excluded.fingerprint") + `
+RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
+}
+
 // plainBatch claims the keys of four parallel arrays ($1 scopes, $2 ids,
 // $3 tokens, $4 fingerprints; $5 lease) in one statement. The keys must
 // be distinct: PostgreSQL refuses to update one row twice in a statement.
@@ -171,6 +203,8 @@ func buildStatements(n *names, cfg *config) statements {
 	st := statements{
 		claim:       plainUpsert(n, leaseKind("$5", grace)),
 		inbox:       plainUpsert(n, inboxKind(n, "$1::text", "$5")),
+		inboxFast:   plainAcquire(n, inboxKind(n, "$1::text", "$5")),
+		current:     `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::text AND id = $2::text`,
 		claimBatch:  plainBatch(n, leaseKind("$5", grace)),
 		pClaim:      partitionedUpsert(n, leaseKind("$5", grace), scalarSource),
 		pInbox:      partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
@@ -193,20 +227,28 @@ WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
 WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1
 RETURNING lease_until`,
 		inboxResult: `UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 2`,
+		inboxResultChecked: `WITH u AS (
+	UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 2
+	RETURNING 1)
+SELECT CASE count(*) WHEN 1 THEN 1 ELSE (` + sqlLiteral(recordCheck+": ") + ` || count(*) || ' rows')::int END FROM u`,
 		outbox: `INSERT INTO ` + n.outbox + ` (message_key, aggregate, topic, payload, headers)
 VALUES ($1::text, $2::text, $3::text, $4::bytea, $5::text::jsonb)`,
 	}
 	// Sweep: one bounded statement that skips rows other transactions hold
 	// (a claim about to take one over), so it never waits on a lock and
 	// never makes a claim wait long. It reports how many rows it deleted
-	// and how late: the lag between each row's expiry and its deletion.
+	// and how late (the lag between each row's expiry and its deletion),
+	// and the latest expiry it deleted: the next batch of a pass starts its
+	// index scan there ($2), instead of stepping again over the index
+	// entries of every row the pass has deleted (they stay until vacuum).
+	from := `expires_at >= COALESCE($2::timestamptz, '-infinity') AND expires_at <= ` + now
 	var pick, match string
 	if cfg.partition > 0 {
 		// ctid is not unique across partitions: match by primary key.
-		pick = `SELECT scope, id, created_at FROM ` + table + ` WHERE expires_at <= ` + now + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
+		pick = `SELECT scope, id, created_at FROM ` + table + ` WHERE ` + from + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
 		match = `(scope, id, created_at) IN (` + pick + `)`
 	} else {
-		pick = `SELECT ctid FROM ` + table + ` WHERE expires_at <= ` + now + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
+		pick = `SELECT ctid FROM ` + table + ` WHERE ` + from + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
 		match = `ctid = ANY (ARRAY(` + pick + `))`
 	}
 	st.sweep = `WITH d AS (
@@ -214,9 +256,25 @@ VALUES ($1::text, $2::text, $3::text, $4::bytea, $5::text::jsonb)`,
 	RETURNING expires_at)
 SELECT count(*)::int8,
 	COALESCE((EXTRACT(EPOCH FROM ` + now + ` - min(expires_at)) * 1000000)::int8, 0),
-	COALESCE((EXTRACT(EPOCH FROM avg(` + now + ` - expires_at)) * 1000000)::int8, 0)
+	COALESCE((EXTRACT(EPOCH FROM avg(` + now + ` - expires_at)) * 1000000)::int8, 0),
+	max(expires_at)
 FROM d`
 	return st
+}
+
+// recordCheck starts the message of the error inboxResultChecked raises
+// when it would update no row. SQL has no statement that raises an error
+// of one's choosing, so the statement casts the message to an integer,
+// which fails with SQLSTATE 22P02 and the message in the error's text. The
+// cast is evaluated only in that branch (count(*) is not a constant, so
+// the planner cannot fold it early).
+const recordCheck = "dedup inbox record missing or changed"
+
+// isRecordCheck reports whether err is the failure of inboxResultChecked's
+// check.
+func isRecordCheck(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "22P02" && strings.Contains(pe.Message, recordCheck)
 }
 
 // sqlLiteral quotes s as an SQL string literal.

@@ -38,6 +38,10 @@ type Store struct {
 	sql     statements
 	salt    uint64 // mixed into advisory lock keys, per schema and prefix
 	closed  atomic.Bool
+	// caseInbox makes RunInbox claim with the one-statement upsert of
+	// Inbox (a CASE per column, no second read for duplicates) instead of
+	// the acquire-only statement: set by tests and benchmarks to compare.
+	caseInbox bool
 
 	mu   sync.Mutex
 	jobs map[*SweepJob]struct{}

@@ -3,10 +3,18 @@ package pgstore
 import (
 	"context"
 	"errors"
+	"math"
 	"sync"
 	"time"
 
 	"github.com/dedupkit/dedup"
+)
+
+// The defaults of [SweepOptions]; see there.
+const (
+	defaultSweepBatch = 500
+	defaultSweepPause = time.Millisecond
+	defaultPauseRatio = 1.0
 )
 
 // SweepResult is what one sweep batch (or a pass of several) did.
@@ -60,34 +68,62 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 // most one batch's delete of that row. Call it in a loop until it deletes
 // fewer than limit, or run a [SweepJob].
 func (s *Store) SweepOnce(ctx context.Context, limit int) (SweepResult, error) {
+	r, _, err := s.sweepOnce(ctx, limit, nil)
+	return r, err
+}
+
+// sweepOnce is SweepOnce for rows that expired at from or later (nil: any),
+// and returns the latest expiry it deleted (nil if none), where the next
+// batch of a pass starts.
+func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time) (SweepResult, *time.Time, error) {
 	var r SweepResult
 	if limit <= 0 {
-		return r, &dedup.ArgumentError{Arg: "sweep limit", Reason: "must be positive"}
+		return r, nil, &dedup.ArgumentError{Arg: "sweep limit", Reason: "must be positive"}
 	}
 	if err := s.begin(ctx, "sweep"); err != nil {
-		return r, err
+		return r, nil, err
 	}
 	start := time.Now()
 	var n, maxLag, meanLag int64
-	if err := s.pool.QueryRow(ctx, s.sql.sweep, limit).Scan(&n, &maxLag, &meanLag); err != nil {
-		return r, s.failAuto(ctx, "sweep", err)
+	var last *time.Time
+	if err := s.pool.QueryRow(ctx, s.sql.sweep, limit, from).Scan(&n, &maxLag, &meanLag, &last); err != nil {
+		return r, nil, s.failAuto(ctx, "sweep", err)
 	}
 	r.Deleted, r.Batches = int(n), 1
 	r.MaxLag, r.MeanLag = time.Duration(maxLag)*time.Microsecond, time.Duration(meanLag)*time.Microsecond
 	r.Elapsed = time.Since(start)
-	return r, nil
+	return r, last, nil
 }
 
 // SweepUntilEmpty runs SweepOnce with batches of limit until a batch
 // deletes fewer than limit, maxBatches batches have run (0: no bound), or
 // ctx is done, pausing pause between batches to leave the disk to claims.
-// It returns the sum of the batches, also when it stops on an error.
+// It returns the sum of the batches, also when it stops on an error. A
+// [SweepJob] paces itself by the time each batch took instead; see
+// [SweepOptions.PauseRatio].
 func (s *Store) SweepUntilEmpty(ctx context.Context, limit, maxBatches int, pause time.Duration) (SweepResult, error) {
-	var total SweepResult
+	return s.sweepUntilEmpty(ctx, limit, maxBatches, pacing{pause: pause})
+}
+
+// pacing spaces the batches of a sweep: after a batch that took d, the
+// sweeper pauses the longer of pause and ratio × d.
+type pacing struct {
+	pause time.Duration
+	ratio float64
+}
+
+func (p pacing) after(batch time.Duration) time.Duration {
+	return max(p.pause, time.Duration(p.ratio*float64(batch)))
+}
+
+func (s *Store) sweepUntilEmpty(ctx context.Context, limit, maxBatches int, pace pacing) (total SweepResult, err error) {
 	start := time.Now()
 	defer func() { total.Elapsed = time.Since(start) }()
+	// Each batch starts where the last one ended; rows it skipped because
+	// a transaction held them are left for the next pass.
+	var from *time.Time
 	for maxBatches <= 0 || total.Batches < maxBatches {
-		r, err := s.SweepOnce(ctx, limit)
+		r, last, err := s.sweepOnce(ctx, limit, from)
 		if err != nil {
 			return total, err
 		}
@@ -95,7 +131,8 @@ func (s *Store) SweepUntilEmpty(ctx context.Context, limit, maxBatches int, paus
 		if r.Deleted < limit {
 			break
 		}
-		if pause > 0 {
+		from = last
+		if pause := pace.after(r.Elapsed); pause > 0 {
 			t := time.NewTimer(pause)
 			select {
 			case <-ctx.Done():
@@ -109,21 +146,36 @@ func (s *Store) SweepUntilEmpty(ctx context.Context, limit, maxBatches int, paus
 }
 
 // SweepOptions configure a [SweepJob].
+//
+// The job paces itself: every batch is a transaction that takes CPU,
+// deletes index entries and flushes its WAL at commit, which is what
+// claims running at the same time wait for. After a batch that took d it
+// pauses PauseRatio × d (at least Pause), so that it works at most
+// 1/(1 + PauseRatio) of the time, whatever the machine, and a batch slowed
+// by load makes the next pause longer. Measured on a noisy 2-core machine
+// (BenchmarkSweep, claims from 4 goroutines; docs/benchmarks.md), the
+// defaults (batches of 500, PauseRatio 1) delete 130-145k rows/s from a
+// large backlog while the p99 of concurrent claims stays at 1.5-1.7x its
+// idle value; batches of 5000 without a pause delete about 400k rows/s
+// and raise it about 5x. Batch size matters most to claims; PauseRatio
+// trades sweep speed for the time left to them.
 type SweepOptions struct {
 	// Interval is the time between passes. Default 1m.
 	Interval time.Duration
-	// BatchSize bounds the rows one DELETE removes. Default 1000.
+	// BatchSize bounds the rows one DELETE removes, and so how long the
+	// batch holds its row locks and how much WAL its commit flushes.
+	// Default 500.
 	BatchSize int
 	// MaxBatches bounds the batches of one pass; 0 means until a batch
 	// deletes fewer than BatchSize.
 	MaxBatches int
-	// Pause is the time between batches of one pass, which leaves the
-	// disk and the CPU to claims: every batch is a transaction whose commit
-	// flushes its WAL. Default 2ms; negative for none. Measured on a
-	// noisy 2-core machine (BenchmarkSweep): batches of 5000 without a
-	// pause delete about 400k rows/s and raise the p99 of concurrent
-	// claims 5-6x; batches of 500 to 1000 with a 2ms pause delete
-	// 80-140k rows/s and raise it 2-3x.
+	// PauseRatio sizes the pause after each batch of a pass: PauseRatio
+	// times the time the batch took (a duty cycle of
+	// 1/(1 + PauseRatio)). Default 1 (work half the time); negative for
+	// none, leaving Pause alone.
+	PauseRatio float64
+	// Pause is the shortest pause between batches of one pass. Default
+	// 1ms; negative for none.
 	Pause time.Duration
 	// OnPass, if set, is called after every pass with what it did and its
 	// error (nil on success), from the job's goroutine.
@@ -157,13 +209,19 @@ func (s *Store) StartSweeping(opts SweepOptions) (*SweepJob, error) {
 		opts.Interval = time.Minute
 	}
 	if opts.BatchSize == 0 {
-		opts.BatchSize = 1000
+		opts.BatchSize = defaultSweepBatch
 	}
 	switch {
 	case opts.Pause == 0:
-		opts.Pause = 2 * time.Millisecond
+		opts.Pause = defaultSweepPause
 	case opts.Pause < 0:
 		opts.Pause = 0
+	}
+	switch {
+	case opts.PauseRatio == 0:
+		opts.PauseRatio = defaultPauseRatio
+	case opts.PauseRatio < 0:
+		opts.PauseRatio = 0
 	}
 	switch {
 	case opts.Interval < 0:
@@ -172,6 +230,8 @@ func (s *Store) StartSweeping(opts SweepOptions) (*SweepJob, error) {
 		return nil, &dedup.ArgumentError{Arg: "sweep batch size", Reason: "must be positive"}
 	case opts.MaxBatches < 0:
 		return nil, &dedup.ArgumentError{Arg: "sweep max batches", Reason: "must not be negative"}
+	case math.IsNaN(opts.PauseRatio) || math.IsInf(opts.PauseRatio, 0):
+		return nil, &dedup.ArgumentError{Arg: "sweep pause ratio", Reason: "must be a finite number"}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	j := &SweepJob{store: s, opts: opts, cancel: cancel, done: make(chan struct{})}
@@ -197,7 +257,7 @@ func (j *SweepJob) run(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		r, err := j.store.Maintain(ctx, j.opts.BatchSize, j.opts.MaxBatches, j.opts.Pause)
+		r, err := j.store.maintain(ctx, j.opts.BatchSize, j.opts.MaxBatches, pacing{pause: j.opts.Pause, ratio: j.opts.PauseRatio})
 		if ctx.Err() != nil {
 			// Stopped mid-pass: the cancellation is not a failure.
 			err = nil
@@ -248,7 +308,10 @@ func (j *SweepJob) Close() error {
 // limit as [Store.SweepUntilEmpty] does. It returns what it did even when
 // it fails part way.
 func (s *Store) Maintain(ctx context.Context, limit, maxBatches int, pause time.Duration) (SweepResult, error) {
-	var total SweepResult
+	return s.maintain(ctx, limit, maxBatches, pacing{pause: pause})
+}
+
+func (s *Store) maintain(ctx context.Context, limit, maxBatches int, pace pacing) (total SweepResult, err error) {
 	start := time.Now()
 	defer func() { total.Elapsed = time.Since(start) }()
 	var errs []error
@@ -264,7 +327,7 @@ func (s *Store) Maintain(ctx context.Context, limit, maxBatches int, pause time.
 			errs = append(errs, err)
 		}
 	}
-	r, err := s.SweepUntilEmpty(ctx, limit, maxBatches, pause)
+	r, err := s.sweepUntilEmpty(ctx, limit, maxBatches, pace)
 	total.add(r)
 	if err != nil {
 		errs = append(errs, err)

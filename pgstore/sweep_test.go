@@ -3,6 +3,8 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"math"
+	"math/rand/v2"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -16,13 +18,15 @@ import (
 
 // seed inserts n records directly: completed, expired age ago (age < 0:
 // still live for -age), with ids prefix0..prefixN-1, into s's records
-// table (the current partition for a partitioned store).
+// table (the current partition for a partitioned store). Record g expires
+// g microseconds earlier than that, so that expiries are distinct, as
+// they are in production.
 func seed(t testing.TB, s *pgstore.Store, prefix string, n int, age time.Duration) {
 	t.Helper()
 	_, err := s.Pool().Exec(context.Background(), `INSERT INTO `+records(s)+`
 	(scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)
 SELECT $1, $2 || g, 2, '\x0102'::bytea, ''::bytea, NULL, statement_timestamp(),
-	statement_timestamp() - $3::int8 * interval '1 microsecond', 1, statement_timestamp()
+	statement_timestamp() - ($3::int8 + g) * interval '1 microsecond', 1, statement_timestamp()
 FROM generate_series(0, $4::int - 1) g`, key("").Scope, prefix, age.Microseconds(), n)
 	if err != nil {
 		t.Fatalf("seed: %v", err)
@@ -54,8 +58,8 @@ func TestSweepDeletesExpiredInBatches(t *testing.T) {
 			t.Fatalf("lag of records expired an hour ago: max %v, mean %v", r.MaxLag, r.MeanLag)
 		}
 		r, err = s.SweepUntilEmpty(ctx, 400, 0, 0)
-		if err != nil || r.Deleted != 1500 || r.Batches != 4 {
-			t.Fatalf("SweepUntilEmpty(400) = %+v, %v; want 1500 deleted in 4 batches", r, err)
+		if err != nil || r.Deleted != 1500 || r.Batches != 4 || r.Elapsed <= 0 {
+			t.Fatalf("SweepUntilEmpty(400) = %+v, %v; want 1500 deleted in 4 batches, and the time it took", r, err)
 		}
 		if n := countPrefix(t, s, "old-"); n != 0 {
 			t.Fatalf("%d expired records left", n)
@@ -159,6 +163,60 @@ func TestSweepRacingClaims(t *testing.T) {
 			}
 		}
 	})
+}
+
+// A pass paces itself by the time its batches take: with PauseRatio k it
+// pauses k times as long as each batch took, so it takes at least k + 1
+// times its batches' time; with no pause it runs them back to back.
+func TestSweepJobPacing(t *testing.T) {
+	s := openStore(t)
+	pass := func(opts pgstore.SweepOptions) pgstore.SweepResult {
+		seed(t, s, "old-"+strconv.Itoa(rand.Int())+"-", 2000, time.Minute)
+		done := make(chan pgstore.SweepResult, 1)
+		opts.Interval, opts.BatchSize = time.Hour, 100
+		opts.OnPass = func(r pgstore.SweepResult, err error) {
+			if err != nil {
+				t.Error(err)
+			}
+			done <- r
+		}
+		j, err := s.StartSweeping(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer j.Close()
+		r := <-done
+		if r.Deleted != 2000 || r.Batches != 21 || r.Elapsed <= 0 {
+			t.Fatalf("pass = %+v, want 2000 rows in 21 batches (the last one empty)", r)
+		}
+		return r
+	}
+	// The batches' own time, measured one by one.
+	seed(t, s, "probe-", 2000, time.Minute)
+	var batches time.Duration
+	for {
+		r, err := s.SweepOnce(context.Background(), 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		batches += r.Elapsed
+		if r.Deleted < 100 {
+			break
+		}
+	}
+	paced := pass(pgstore.SweepOptions{PauseRatio: 4, Pause: -1})
+	if paced.Elapsed < 3*batches {
+		t.Errorf("a pass with PauseRatio 4 took %v; its batches alone take about %v, so want at least %v", paced.Elapsed, batches, 3*batches)
+	}
+	unpaced := pass(pgstore.SweepOptions{PauseRatio: -1, Pause: -1})
+	if unpaced.Elapsed >= paced.Elapsed {
+		t.Errorf("a pass without pauses took %v, not less than the paced pass's %v", unpaced.Elapsed, paced.Elapsed)
+	}
+	for _, bad := range []float64{math.NaN(), math.Inf(1)} {
+		if _, err := s.StartSweeping(pgstore.SweepOptions{PauseRatio: bad}); !errors.Is(err, dedup.ErrInvalidArgument) {
+			t.Errorf("PauseRatio %v: %v, want ErrInvalidArgument", bad, err)
+		}
+	}
 }
 
 // The background job sweeps on its own until the table is clean, Close
