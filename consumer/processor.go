@@ -1,0 +1,687 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync/atomic"
+	"time"
+
+	"github.com/dedupkit/dedup"
+)
+
+// Action is what the adapter does with a message after [Processor.Process].
+type Action uint8
+
+const (
+	// Ack acknowledges: the message was applied now or before (Duplicate).
+	Ack Action = iota + 1
+	// Retry negatively acknowledges: redeliver after Delay. Nothing was
+	// recorded as done.
+	Retry
+	// DeadLettered acknowledges (terminates) the original: the sink kept
+	// the message for inspection and replay.
+	DeadLettered
+	// Rejected acknowledges a business rejection, recorded as the
+	// message's outcome: redeliveries are duplicates.
+	Rejected
+)
+
+var actionNames = [...]string{"", "ack", "retry", "dead-lettered", "rejected"}
+
+func (a Action) String() string {
+	if int(a) < len(actionNames) && a != 0 {
+		return actionNames[a]
+	}
+	return "action(?)"
+}
+
+// Decision is the result of processing one message.
+type Decision struct {
+	Action Action
+	// Delay is how long to wait before the redelivery (Retry).
+	Delay time.Duration
+	// Key is the message's dedup key (zero if it could not be derived).
+	Key dedup.Key
+	// Duplicate is set for an Ack of a message processed before; Result
+	// is then the stored result.
+	Duplicate bool
+	Result    []byte
+	// Class and Attempt describe the failure behind Retry, DeadLettered
+	// and Rejected; Err is that failure.
+	Class   Class
+	Attempt int
+	Err     error
+}
+
+// Acknowledge reports whether the adapter should acknowledge the message
+// (every action but Retry).
+func (d Decision) Acknowledge() bool { return d.Action != Retry }
+
+// Stats counts decisions since the processor was made.
+type Stats struct {
+	Applied, Duplicates, Retries, DeadLettered, Rejected uint64
+	// InProgress counts retries because another consumer held the key;
+	// StoreErrors retries because the store failed (fail closed).
+	InProgress, StoreErrors uint64
+	// Reconciled counts unknown outcomes the reconciler settled as
+	// applied.
+	Reconciled uint64
+}
+
+// Processor composes key extraction, the dedup claim (a store or a
+// transactional inbox), the handler and the failure policy into one
+// decision per message. It is broker-neutral and safe for concurrent use.
+type Processor struct {
+	name  string
+	cfg   config
+	apply func(ctx context.Context, p *Processor, m *Message, key dedup.Key, fp dedup.Fingerprint) (out applied, err error)
+	// batch runs items through the store in one batch (store mode); nil in
+	// inbox mode.
+	batch func(ctx context.Context, p *Processor, items []batchItem)
+	track *tracker
+
+	applied, duplicates, retries, deadLettered, rejected atomic.Uint64
+	inProgress, storeErrors, reconciled                  atomic.Uint64
+}
+
+// applied is what one run through the store or inbox did.
+type applied struct {
+	ran       bool // the handler (or reconciler) ran
+	duplicate bool
+	recorded  bool // a business rejection was completed
+	result    []byte
+	attempt   int
+}
+
+// set takes what the runner reports.
+func (a *applied) set(res dedup.Result) {
+	a.duplicate, a.recorded, a.result, a.attempt = res.Duplicate, res.Recorded, res.Result, res.Attempt
+}
+
+// batchItem is one message of a batch run through the store: the message,
+// its key and fingerprint, and what its run did.
+type batchItem struct {
+	m   *Message
+	key dedup.Key
+	fp  dedup.Fingerprint
+	a   applied
+	err error
+}
+
+// New returns a processor that claims each message in store (lease mode:
+// claim, run h, complete or release) under consumer name.
+func New(name string, store dedup.Store, h Handler, opts ...Option) (*Processor, error) {
+	if store == nil {
+		return nil, &dedup.ArgumentError{Arg: "store", Reason: "is nil"}
+	}
+	if h == nil {
+		return nil, &dedup.ArgumentError{Arg: "handler", Reason: "is nil"}
+	}
+	p, err := newProcessor(name, opts)
+	if err != nil {
+		return nil, err
+	}
+	ropts := []dedup.RunnerOption{
+		dedup.WithName(name), dedup.WithLease(p.cfg.lease), dedup.WithRetention(p.cfg.retention),
+		dedup.WithClassifier(disposition),
+	}
+	if p.cfg.heartbeat > 0 {
+		ropts = append(ropts, dedup.WithHeartbeat(p.cfg.heartbeat))
+	}
+	runner, err := dedup.NewRunner(store, append(ropts, p.cfg.runnerOpts...)...)
+	if err != nil {
+		return nil, err
+	}
+	// run applies m under the claim c: reconcile if needed, then h.
+	run := func(ctx context.Context, m *Message, key dedup.Key, c dedup.Claim) ([]byte, error) {
+		d := Delivery{Key: key, Attempt: p.track.attempt(key), TakenOver: c.TakenOver}
+		return p.attempt(ctx, m, d, func(ctx context.Context) ([]byte, error) { return h(ctx, m, d) })
+	}
+	p.apply = func(ctx context.Context, p *Processor, m *Message, key dedup.Key, fp dedup.Fingerprint) (applied, error) {
+		var a applied
+		res, err := runner.DoClaim(ctx, key, fp, func(ctx context.Context, c dedup.Claim) ([]byte, error) {
+			a.ran = true
+			return run(ctx, m, key, c)
+		})
+		a.set(res)
+		return a, err
+	}
+	p.batch = func(ctx context.Context, p *Processor, items []batchItem) {
+		reqs := make([]dedup.ClaimRequest, len(items))
+		for j := range items {
+			reqs[j] = dedup.ClaimRequest{Key: items[j].key, Fingerprint: items[j].fp}
+		}
+		res, errs := runner.DoBatch(ctx, reqs, func(ctx context.Context, j int, c dedup.Claim) ([]byte, error) {
+			it := &items[j]
+			it.a.ran = true
+			return run(ctx, it.m, it.key, c)
+		})
+		for j := range items {
+			it := &items[j]
+			if pe, ok := errs[j].(*dedup.PanicError); ok {
+				// As in Process: the claim was released; a permanent failure.
+				it.a, it.err = applied{ran: true}, panicked(pe.Value)
+				continue
+			}
+			it.a.set(res[j])
+			it.err = errs[j]
+		}
+	}
+	return p, nil
+}
+
+// disposition maps a failure class to what the runner does with the
+// claim: a rejection is recorded, an unknown outcome keeps the claim for
+// its lease (the take-over reconciles), anything else releases it so the
+// retry or a replay applies.
+func disposition(err error) dedup.Disposition {
+	switch ClassOf(err) {
+	case ClassBusiness:
+		return dedup.Record
+	case ClassUnknown:
+		return dedup.Keep
+	}
+	return dedup.Release
+}
+
+// An Inbox is a store with a transactional inbox: sqlitestore.Store
+// (Tx = *sql.Tx) and pgstore.Store (Tx = pgx.Tx) are Inboxes.
+type Inbox[Tx any] interface {
+	RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration,
+		h func(ctx context.Context, tx Tx) ([]byte, error)) (dedup.Claim, error)
+}
+
+// A TxHandler applies one message inside the inbox's transaction.
+type TxHandler[Tx any] func(ctx context.Context, tx Tx, m *Message, d Delivery) ([]byte, error)
+
+// NewInbox returns a processor that applies each message with h inside
+// inbox's transaction, together with its dedup record: a crash at any
+// instant leaves both or neither.
+//
+// A handler error rolls the transaction back, whatever its class, except
+// a business rejection ([Reject]): its transaction commits with the
+// rejection recorded as the outcome, so reject before writing anything
+// you would not keep. An unknown outcome the reconciler settles as applied
+// also commits.
+func NewInbox[Tx any](name string, inbox Inbox[Tx], h TxHandler[Tx], opts ...Option) (*Processor, error) {
+	if any(inbox) == nil {
+		return nil, &dedup.ArgumentError{Arg: "inbox", Reason: "is nil"}
+	}
+	if h == nil {
+		return nil, &dedup.ArgumentError{Arg: "handler", Reason: "is nil"}
+	}
+	p, err := newProcessor(name, opts)
+	if err != nil {
+		return nil, err
+	}
+	p.apply = func(ctx context.Context, p *Processor, m *Message, key dedup.Key, fp dedup.Fingerprint) (applied, error) {
+		var a applied
+		var rejected []byte
+		c, err := inbox.RunInbox(ctx, key, fp, p.cfg.retention, func(ctx context.Context, tx Tx) ([]byte, error) {
+			a.ran = true
+			rejected = nil
+			d := Delivery{Key: key, Attempt: p.track.attempt(key)}
+			out, err := p.attempt(ctx, m, d, func(ctx context.Context) ([]byte, error) { return h(ctx, tx, m, d) })
+			var ce *classError
+			if err != nil && errors.As(err, &ce) && ce.class == ClassBusiness {
+				rejected = ce.result
+				a.recorded = true
+				return ce.result, nil
+			}
+			a.recorded = false
+			return out, err
+		})
+		if err != nil {
+			a.recorded = false
+			return a, err
+		}
+		a.attempt = c.Attempt
+		switch c.Outcome {
+		case dedup.Acquired:
+			a.result = c.Result
+			if a.recorded {
+				a.result = rejected
+			}
+		case dedup.Duplicate:
+			a.duplicate, a.result, a.recorded = true, c.Result, false
+		default:
+			a.recorded = false
+			return a, c.Err()
+		}
+		return a, nil
+	}
+	return p, nil
+}
+
+func newProcessor(name string, opts []Option) (*Processor, error) {
+	cfg := defaultConfig(name)
+	for _, o := range opts {
+		o.apply(&cfg)
+	}
+	if err := cfg.validate(name); err != nil {
+		return nil, err
+	}
+	return &Processor{name: name, cfg: cfg, track: newTracker(cfg.tracked)}, nil
+}
+
+// Name returns the consumer name.
+func (p *Processor) Name() string { return p.name }
+
+// Lease returns the claim lease, for adapters that keep the broker's own
+// redelivery timer (NATS AckWait) longer than it.
+func (p *Processor) Lease() time.Duration { return p.cfg.lease }
+
+// Retention returns how long processed keys are remembered, for adapters
+// that compare it with the broker's duplicate window.
+func (p *Processor) Retention() time.Duration { return p.cfg.retention }
+
+// Stats returns the decision counts so far.
+func (p *Processor) Stats() Stats {
+	return Stats{
+		Applied: p.applied.Load(), Duplicates: p.duplicates.Load(), Retries: p.retries.Load(),
+		DeadLettered: p.deadLettered.Load(), Rejected: p.rejected.Load(),
+		InProgress: p.inProgress.Load(), StoreErrors: p.storeErrors.Load(), Reconciled: p.reconciled.Load(),
+	}
+}
+
+// Process runs one message and says what to do with it. It never returns
+// a decision that acknowledges a message that was neither applied, found
+// applied before, rejected and recorded, nor kept by the dead-letter sink.
+//
+//   - Applied or duplicate: Ack.
+//   - Business rejection ([Reject]): recorded, Rejected.
+//   - Another consumer holds the key: Retry after its lease.
+//   - The store failed: Retry with backoff (fail closed; not counted as
+//     an attempt).
+//   - A handler failure (or panic, counted as permanent): Retry with
+//     backoff until the class's attempt limit, then DeadLettered. If the
+//     sink fails, Retry.
+//   - A key that cannot be derived or a fingerprint conflict: DeadLettered
+//     at once.
+func (p *Processor) Process(ctx context.Context, m *Message) Decision {
+	if m == nil {
+		return nilMessage(p)
+	}
+	d := p.process(ctx, m)
+	p.observed(m, d)
+	return d
+}
+
+// ProcessBatch runs a batch of messages and returns, for each, exactly the
+// decision [Processor.Process] would have made for the messages one after
+// the other, with the same failure classes, attempts, dead letters,
+// reconciliation, hooks, observer calls and stats; the store sees two
+// round trips for the batch instead of two per message.
+//
+// In store mode ([New]) it claims every key in one call
+// ([dedup.ClaimBatch], one round trip on a [dedup.BatchClaimer]), runs the
+// handlers one at a time in message order, releases or keeps a failure's
+// claim at once as Process does, and then completes the successes and the
+// business rejections (with their results) in one call
+// ([dedup.CompleteBatch], one round trip on a [dedup.BatchCompleter]). A
+// store failure of the batch claim fails every message closed (Retry), and
+// no handler runs. A message whose key repeats one earlier in the batch is
+// not claimed with it: it is processed alone after the batch ran, in its
+// turn, so it is a duplicate (or runs again if the first one failed and
+// was released). So is a message without a valid key or over
+// [WithMaxDeliveries], which is dead-lettered in its turn.
+//
+// Leases: a claim waits for the handlers before it, and a success for the
+// batch's complete, so a long batch could outlive its claims. Chunks sized
+// to the lease would need a guess of how long handlers take, and would
+// still let a success wait for a slow handler after it; instead the
+// runner extends every claim the batch holds and is not running
+// ([dedup.Extender]) each third of the lease (or each heartbeat, when
+// [WithHeartbeat] is shorter), so no claim expires however long the batch
+// takes, and a handler starts with at least two thirds of its lease. A
+// claim found lost, or not extended for half a lease (the store failed),
+// is not run on: its message is processed alone after the batch, as
+// Process would. On a store that cannot extend, every message is. See
+// [dedup.Runner.DoBatch].
+//
+// A panic in a handler releases that message's claim and every claim not
+// yet run; the message is a permanent failure, as in Process, and the
+// messages after it are then processed one at a time, as Process does.
+//
+// The observer sees every decision after the batch, in message order.
+// Dead letters and failure counts are decided after the batch too, so
+// once ctx is done (a shutdown) the decisions are those Process would make
+// at the end of the batch. In inbox mode ([NewInbox]), whose transaction
+// is per message, ProcessBatch calls Process for each message.
+func (p *Processor) ProcessBatch(ctx context.Context, ms []*Message) []Decision {
+	ds := make([]Decision, len(ms))
+	if p.batch == nil {
+		for i, m := range ms {
+			ds[i] = p.Process(ctx, m)
+		}
+		return ds
+	}
+	items := make([]batchItem, 0, len(ms))
+	batched := make([]int, len(ms)) // 1 + the message's index in items; 0: processed alone
+	seen := make(map[dedup.Key]struct{}, len(ms))
+	for i, m := range ms {
+		if m == nil {
+			continue
+		}
+		key, err := p.keyOf(m)
+		if err != nil {
+			continue // dead-lettered in its turn
+		}
+		_, again := seen[key]
+		seen[key] = struct{}{}
+		if again || p.overDelivered(m) {
+			continue
+		}
+		items = append(items, batchItem{m: m, key: key, fp: p.fingerprintOf(m)})
+		batched[i] = len(items)
+	}
+	if len(items) > 0 {
+		p.batch(ctx, p, items)
+	}
+	// Decide in message order, as Process would: a message not in the
+	// batch (no valid key, over the delivery limit, or a key repeated) is
+	// processed alone in its turn, after the messages before it decided.
+	for i, m := range ms {
+		switch {
+		case m == nil:
+			ds[i] = nilMessage(p)
+			continue
+		case batched[i] > 0:
+			it := &items[batched[i]-1]
+			ds[i] = p.decide(ctx, m, it.key, it.a, it.err)
+		default:
+			ds[i] = p.process(ctx, m)
+		}
+		p.observed(m, ds[i])
+	}
+	return ds
+}
+
+func nilMessage(p *Processor) Decision {
+	return Decision{Action: Retry, Delay: p.cfg.maxDelay, Err: &dedup.ArgumentError{Arg: "message", Reason: "is nil"}}
+}
+
+// process is Process without the observer.
+func (p *Processor) process(ctx context.Context, m *Message) Decision {
+	key, fp, d, ok := p.admit(ctx, m)
+	if !ok {
+		return d
+	}
+	a, err := p.run(ctx, m, key, fp)
+	return p.decide(ctx, m, key, a, err)
+}
+
+func (p *Processor) observed(m *Message, d Decision) {
+	if p.cfg.observe != nil {
+		p.cfg.observe(m, d)
+	}
+}
+
+// admit derives m's key and fingerprint; ok is false when m must not run,
+// and d is then its decision (a dead letter).
+func (p *Processor) admit(ctx context.Context, m *Message) (key dedup.Key, fp dedup.Fingerprint, d Decision, ok bool) {
+	key, err := p.keyOf(m)
+	if err != nil {
+		return key, "", p.deadLetter(ctx, m, key, ClassPermanent, 1, fmt.Errorf("no valid dedup key: %w", err)), false
+	}
+	if p.overDelivered(m) {
+		n, _ := p.track.fail(key, p.cfg.clock.Now(), false)
+		return key, "", p.deadLetter(ctx, m, key, ClassPermanent, n,
+			fmt.Errorf("delivered %d times, over the limit of %d (the process may have crashed on it)", m.Delivery, p.cfg.maxDeliver)), false
+	}
+	return key, p.fingerprintOf(m), Decision{}, true
+}
+
+func (p *Processor) fingerprintOf(m *Message) dedup.Fingerprint {
+	if p.cfg.fingerprint == nil {
+		return ""
+	}
+	return p.cfg.fingerprint(m)
+}
+
+// overDelivered reports whether the broker delivered m more often than
+// WithMaxDeliveries allows.
+func (p *Processor) overDelivered(m *Message) bool {
+	return p.cfg.maxDeliver > 0 && m.Delivery > p.cfg.maxDeliver
+}
+
+// decide turns what a run did into the decision.
+func (p *Processor) decide(ctx context.Context, m *Message, key dedup.Key, a applied, err error) Decision {
+	if err != nil {
+		return p.failed(ctx, m, key, a, err)
+	}
+	p.track.forget(key)
+	switch {
+	case a.duplicate:
+		p.duplicates.Add(1)
+		return Decision{Action: Ack, Key: key, Duplicate: true, Result: a.result, Attempt: a.attempt}
+	case a.recorded:
+		p.rejected.Add(1)
+		return Decision{Action: Rejected, Key: key, Result: a.result, Class: ClassBusiness, Attempt: a.attempt}
+	}
+	p.applied.Add(1)
+	return Decision{Action: Ack, Key: key, Result: a.result, Attempt: a.attempt}
+}
+
+// failed decides for a run that returned err.
+func (p *Processor) failed(ctx context.Context, m *Message, key dedup.Key, a applied, err error) Decision {
+	if a.recorded && ClassOf(err) == ClassBusiness {
+		// Store mode: the rejection was recorded and the runner returns
+		// the handler's error alongside.
+		p.track.forget(key)
+		p.rejected.Add(1)
+		return Decision{Action: Rejected, Key: key, Result: a.result, Class: ClassBusiness, Attempt: a.attempt, Err: err}
+	}
+	if !a.ran || dedup.IsStoreError(err) {
+		var ipe *dedup.InProgressError
+		switch {
+		case errors.As(err, &ipe):
+			p.inProgress.Add(1)
+			delay := max(ipe.RetryAfter(p.cfg.clock.Now()), p.cfg.baseDelay)
+			return p.retry(m, key, Decision{Action: Retry, Delay: min(delay, p.cfg.lease), Key: key, Err: err})
+		case errors.Is(err, dedup.ErrFingerprintMismatch):
+			return p.deadLetter(ctx, m, key, ClassPermanent, 1, err)
+		case errors.Is(err, dedup.ErrInvalidArgument):
+			return p.deadLetter(ctx, m, key, ClassPermanent, 1, err)
+		}
+		// A store failure, before or after the handler: fail closed. Not an
+		// attempt: a store outage must not dead-letter healthy messages.
+		p.storeErrors.Add(1)
+		n := max(m.Delivery, 1)
+		return p.retry(m, key, Decision{Action: Retry, Delay: p.backoff(n), Key: key, Err: err})
+	}
+	class := ClassOf(err)
+	if ctx.Err() != nil && (class == Unclassified || class == ClassTransient) {
+		// The consumer is shutting down or gave up on this delivery: the
+		// handler's failure says nothing about the message. Not an attempt.
+		return p.retry(m, key, Decision{Action: Retry, Delay: p.cfg.baseDelay, Key: key, Class: class, Err: err})
+	}
+	if class == ClassBusiness {
+		// Inbox mode never gets here (a rejection commits); a store-mode
+		// rejection whose recording failed is a store error above.
+		class = Unclassified
+	}
+	n, _ := p.track.fail(key, p.cfg.clock.Now(), class == ClassUnknown)
+	if n >= p.cfg.limits.of(class) {
+		return p.deadLetter(ctx, m, key, class, n, err)
+	}
+	delay := p.backoff(n)
+	if class == ClassUnknown {
+		// The claim is kept until its lease ends; an earlier redelivery
+		// would only find it in progress.
+		delay = max(delay, p.cfg.lease)
+	}
+	return p.retry(m, key, Decision{Action: Retry, Delay: delay, Key: key, Class: class, Attempt: n, Err: err})
+}
+
+func (p *Processor) retry(m *Message, key dedup.Key, d Decision) Decision {
+	p.retries.Add(1)
+	if l := p.cfg.logger; l != nil {
+		l.Warn("consumer: retrying message", p.logAttrs(m, key, d.Class, d.Err, slog.Int("attempt", d.Attempt), slog.Duration("delay", d.Delay))...)
+	}
+	return d
+}
+
+// run calls apply and turns a handler panic into a permanent failure. The
+// store-mode runner has already released the claim; the inbox has rolled
+// back.
+func (p *Processor) run(ctx context.Context, m *Message, key dedup.Key, fp dedup.Fingerprint) (a applied, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			a, err = applied{ran: true}, panicked(r)
+		}
+	}()
+	return p.apply(ctx, p, m, key, fp)
+}
+
+// panicked is the failure of a handler that panicked with v: permanent.
+func panicked(v any) error { return Permanent(fmt.Errorf("handler panicked: %v", v)) }
+
+// attempt reconciles before the handler when an earlier attempt's outcome
+// is unknown, and after it when the handler reports an unknown outcome.
+func (p *Processor) attempt(ctx context.Context, m *Message, d Delivery, h func(context.Context) ([]byte, error)) ([]byte, error) {
+	rec := p.cfg.reconcile
+	if rec != nil && (d.TakenOver || p.track.unknown(d.Key)) {
+		r, err := rec(ctx, d.Key, m)
+		if err != nil {
+			return nil, Unknown(fmt.Errorf("reconcile before retry: %w", err))
+		}
+		if r.Applied {
+			p.reconciled.Add(1)
+			return r.Result, nil
+		}
+	}
+	out, err := h(ctx)
+	if err == nil || rec == nil || ClassOf(err) != ClassUnknown {
+		return out, err
+	}
+	r, rerr := rec(ctx, d.Key, m)
+	switch {
+	case rerr != nil:
+		return nil, err // still unknown
+	case r.Applied:
+		p.reconciled.Add(1)
+		return r.Result, nil
+	}
+	// Known not to have happened: an ordinary retry.
+	return nil, Transient(err)
+}
+
+func (p *Processor) keyOf(m *Message) (dedup.Key, error) {
+	var k dedup.Key
+	switch {
+	case p.cfg.key != nil:
+		var err error
+		if k, err = p.cfg.key(m); err != nil {
+			return k, err
+		}
+	case p.cfg.businessKey && m.BusinessKey != "":
+		k = dedup.Key{Scope: p.cfg.scope, ID: m.BusinessKey}
+	default:
+		k = dedup.Key{Scope: p.cfg.scope, ID: m.ID}
+	}
+	return k, k.Validate()
+}
+
+// deadLetter hands m to the sink and, once it is kept, decides
+// DeadLettered; if the sink fails, Retry.
+func (p *Processor) deadLetter(ctx context.Context, m *Message, key dedup.Key, class Class, attempts int, cause error) Decision {
+	now := p.cfg.clock.Now()
+	first, last := p.track.times(key)
+	if first.IsZero() {
+		first, last = now, now
+	}
+	dl := DeadLetter{
+		Consumer: p.name, Key: key, Message: *m, Class: class, Reason: p.cfg.reason(cause),
+		Attempts: attempts, FirstFailure: first, LastFailure: last,
+	}
+	if err := p.cfg.sink.DeadLetter(ctx, dl); err != nil {
+		n := max(attempts, 1)
+		return p.retry(m, key, Decision{Action: Retry, Delay: p.backoff(n), Key: key, Class: class, Attempt: attempts,
+			Err: errors.Join(cause, fmt.Errorf("consumer: dead-letter sink failed, the message is kept for a retry: %w", err))})
+	}
+	p.track.forget(key)
+	p.deadLettered.Add(1)
+	if l := p.cfg.logger; l != nil {
+		l.Error("consumer: message dead-lettered", p.logAttrs(m, key, class, cause, slog.Int("attempts", attempts))...)
+	}
+	return Decision{Action: DeadLettered, Key: key, Class: class, Attempt: attempts, Err: cause}
+}
+
+func (p *Processor) logAttrs(m *Message, key dedup.Key, class Class, err error, extra ...any) []any {
+	attrs := []any{
+		slog.String("consumer", p.name), slog.String("message_id", m.ID), slog.String("key", key.String()),
+		slog.String("class", class.String()),
+	}
+	if m.BusinessKey != "" {
+		attrs = append(attrs, slog.String("business_key", m.BusinessKey))
+	}
+	if err != nil {
+		attrs = append(attrs, slog.String("reason", p.cfg.reason(err)))
+	}
+	return append(attrs, extra...)
+}
+
+// backoff returns the delay before retry n (1-based): full jitter over
+// min(max, base*2^(n-1)), floored at base/4.
+func (p *Processor) backoff(n int) time.Duration {
+	return Backoff(p.cfg.baseDelay, p.cfg.maxDelay, n)
+}
+
+// Backoff returns a full-jitter delay before retry n (1-based): uniform in
+// [base/4, min(max, base*2^(n-1))).
+func Backoff(base, max time.Duration, n int) time.Duration {
+	ceil := max
+	if n < 1 {
+		n = 1
+	}
+	if n <= 62 {
+		if c := base << (n - 1); c > 0 && c < max && c>>(n-1) == base {
+			ceil = c
+		}
+	}
+	floor := base / 4
+	if ceil <= floor {
+		return floor
+	}
+	return floor + rand.N(ceil-floor)
+}
+
+// GiveUp dead-letters m after a Retry decision d that the broker cannot
+// honour (its delivery limit is reached, so no redelivery would come).
+// Adapters call it instead of letting the message drop. It returns
+// DeadLettered, or Retry if the sink failed.
+func (p *Processor) GiveUp(ctx context.Context, m *Message, d Decision) Decision {
+	class := d.Class
+	if class == Unclassified && d.Err == nil {
+		class = ClassPermanent
+	}
+	cause := fmt.Errorf("the broker will not redeliver (delivery %d reached its limit): %w", m.Delivery, errOr(d.Err))
+	key := d.Key
+	if key == (dedup.Key{}) {
+		key, _ = p.keyOf(m)
+	}
+	return p.deadLetter(ctx, m, key, class, max(d.Attempt, 1), cause)
+}
+
+// Quarantine dead-letters m without running it, for a message an adapter
+// cannot hand to the handler (a malformed envelope): class and cause say
+// why. The key is derived as Process would, when it can be. It returns
+// DeadLettered, or Retry if the sink failed.
+func (p *Processor) Quarantine(ctx context.Context, m *Message, class Class, cause error) Decision {
+	if m == nil {
+		return Decision{Action: Retry, Delay: p.cfg.maxDelay, Err: &dedup.ArgumentError{Arg: "message", Reason: "is nil"}}
+	}
+	key, _ := p.keyOf(m)
+	return p.deadLetter(ctx, m, key, class, 1, errOr(cause))
+}
+
+func errOr(err error) error {
+	if err == nil {
+		return errors.New("no error recorded")
+	}
+	return err
+}
