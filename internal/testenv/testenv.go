@@ -106,3 +106,23 @@ func FreePort(t testing.TB) string {
 	_, port, _ := net.SplitHostPort(l.Addr().String())
 	return port
 }
+
+// DefaultNATSURL is the NATS server tests use when DEDUP_NATS_URL is not
+// set.
+const DefaultNATSURL = "nats://127.0.0.1:4222"
+
+// NATSURL returns the URL in DEDUP_NATS_URL (or [DefaultNATSURL]) after
+// checking that its server accepts TCP connections; like [Addrs], it skips
+// the test or fails it when the server does not answer.
+func NATSURL(t testing.TB) string {
+	t.Helper()
+	v := os.Getenv("DEDUP_NATS_URL")
+	if v == "" {
+		v = DefaultNATSURL
+	}
+	first, _, _ := strings.Cut(v, ",")
+	if u, err := url.Parse(first); err == nil && u.Host != "" {
+		Addrs(t, "DEDUP_NATS_URL", u.Host, "NATS (with JetStream)")
+	}
+	return v
+}

@@ -1,0 +1,247 @@
+package dedupnats
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/memstore"
+	"github.com/dedupkit/dedup/pgstore"
+	"github.com/dedupkit/dedup/redisstore"
+	"github.com/dedupkit/dedup/sqlitestore"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/rueidis"
+)
+
+// BenchmarkConsume measures messages per second through a durable pull
+// consumer: b.N messages, each with its own logical ID, are published
+// first (not timed); the timer covers consuming them all. cN runs N
+// workers with a batch of max(256, 2N); inside it every sub-benchmark
+// uses the same batch and concurrency:
+//
+//   - bare: the adapter's pull loop with the processor replaced by a
+//     plain Ack (no envelope, no dedup): the baseline.
+//   - memstore, sqlite, redis, postgres: the adapter with a processor on
+//     that store (claim, no-op handler, complete, Ack).
+//   - memstore-batch, redis-batch, postgres-batch: the same with
+//     WithBatchProcessing (one worker whatever N; ProcessBatch over the
+//     messages queued, up to half the batch: one batch claim, one batch
+//     complete). pgstore has no CompleteBatch: its completes fall back to
+//     one Complete per message.
+//
+// Each store's x_bare metric is its rate over bare's rate in the same run
+// (with -count, over the last bare run's).
+// Redis needs DEDUP_REDIS_ADDR (default 127.0.0.1:6379), PostgreSQL
+// DEDUP_POSTGRES_URL; a missing server skips its sub-benchmark.
+//
+//	go test -run '^$' -bench BenchmarkConsume -benchtime 20000x -count 3 ./dedupnats/
+func BenchmarkConsume(b *testing.B) {
+	for _, conc := range []int{1, 32} {
+		b.Run(fmt.Sprintf("c%d", conc), func(b *testing.B) { benchConsume(b, max(256, 2*conc), conc) })
+	}
+}
+
+func benchConsume(b *testing.B, batch, conc int) {
+	var bareRate float64
+	report := func(b *testing.B, elapsed time.Duration) {
+		rate := float64(b.N) / elapsed.Seconds()
+		b.ReportMetric(rate, "msgs/s")
+		if bareRate > 0 {
+			b.ReportMetric(rate/bareRate, "x_bare")
+		}
+	}
+
+	b.Run("bare", func(b *testing.B) {
+		_, js := connect(b)
+		stream := benchStream(b, js)
+		p := benchProcessor(b, "bare", mustMem(b))
+		c, err := NewConsumer(js, stream, "bench", p, WithBatch(batch), WithConcurrency(conc), WithLogger(quiet))
+		if err != nil {
+			b.Fatal(err)
+		}
+		var done atomic.Int64
+		c.process = func(ctx context.Context, msg jetstream.Msg) {
+			c.held.remove(msg)
+			if msg.Ack() == nil {
+				done.Add(1)
+			}
+		}
+		elapsed := runBench(b, c, func() int64 { return done.Load() })
+		bareRate = float64(b.N) / elapsed.Seconds()
+		report(b, elapsed)
+	})
+
+	stores := []struct {
+		name string
+		open func(b *testing.B) dedup.Store
+	}{
+		{"memstore", func(b *testing.B) dedup.Store { return mustMem(b) }},
+		{"sqlite", func(b *testing.B) dedup.Store {
+			s, err := sqlitestore.Open(filepath.Join(b.TempDir(), "bench.db"))
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() { s.Close() })
+			return s
+		}},
+		{"redis", func(b *testing.B) dedup.Store {
+			addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+			prefix := uniqueName(b, "") + ":"
+			s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(func() {
+				deleteRedisPrefix(b, s.Client(), prefix)
+				s.Close()
+			})
+			return s
+		}},
+		{"postgres", func(b *testing.B) dedup.Store {
+			pool := testenv.PostgresPool(b)
+			s, err := pgstore.New(pool, pgstore.WithSchema(testenv.PostgresSchema(b, pool)))
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := s.Migrate(context.Background()); err != nil {
+				b.Fatal(err)
+			}
+			return s
+		}},
+	}
+	run := func(name string, open func(b *testing.B) dedup.Store, opts ...ConsumerOption) {
+		b.Run(name, func(b *testing.B) {
+			_, js := connect(b)
+			stream := benchStream(b, js)
+			var done atomic.Int64
+			p := benchProcessor(b, "bench", open(b), consumer.WithObserver(func(m *consumer.Message, d consumer.Decision) {
+				if d.Action == consumer.Ack {
+					done.Add(1)
+				}
+			}))
+			c, err := NewConsumer(js, stream, "bench", p, append([]ConsumerOption{WithBatch(batch), WithLogger(quiet)}, opts...)...)
+			if err != nil {
+				b.Fatal(err)
+			}
+			elapsed := runBench(b, c, func() int64 { return done.Load() })
+			if s := p.Stats(); s.Applied != uint64(b.N) {
+				b.Fatalf("applied %d of %d (stats %+v)", s.Applied, b.N, s)
+			}
+			report(b, elapsed)
+		})
+	}
+	for _, st := range stores {
+		run(st.name, st.open, WithConcurrency(conc))
+	}
+	// WithBatchProcessing: one worker, batches of up to half the batch,
+	// one batch claim and one batch complete each.
+	for _, st := range stores {
+		if st.name != "sqlite" {
+			run(st.name+"-batch", st.open, WithBatchProcessing())
+		}
+	}
+}
+
+var quiet = slog.New(slog.DiscardHandler)
+
+// benchStream creates a stream holding b.N messages with distinct IDs.
+func benchStream(b *testing.B, js jetstream.JetStream) string {
+	b.Helper()
+	stream := newStream(b, js)
+	payload := make([]byte, 128)
+	for i := range b.N {
+		msg := nats.NewMsg(stream + ".events")
+		id := "evt-" + strconv.Itoa(i)
+		msg.Header.Set(HeaderMsgID, id)
+		msg.Header.Set(jetstream.MsgIDHeader, id)
+		msg.Data = payload
+		if _, err := js.PublishMsgAsync(msg); err != nil {
+			b.Fatal(err)
+		}
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+	case <-time.After(5 * time.Minute):
+		b.Fatal("publishing timed out")
+	}
+	return stream
+}
+
+func benchProcessor(b *testing.B, name string, s dedup.Store, opts ...consumer.Option) *consumer.Processor {
+	b.Helper()
+	base := []consumer.Option{consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(time.Hour)}
+	p, err := consumer.New(name, s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		return nil, nil
+	}, append(base, opts...)...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return p
+}
+
+func mustMem(b *testing.B) *memstore.Store {
+	s, err := memstore.New()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { s.Close() })
+	return s
+}
+
+// runBench runs c until done reports b.N messages and returns the time
+// that took.
+func runBench(b *testing.B, c *Consumer, done func() int64) time.Duration {
+	b.Helper()
+	b.ResetTimer()
+	start := time.Now()
+	errc := make(chan error, 1)
+	go func() { errc <- c.Run(context.Background()) }()
+	waitDone(b, done)
+	elapsed := time.Since(start)
+	b.StopTimer()
+	c.Close()
+	if err := <-errc; err != nil {
+		b.Fatal(err)
+	}
+	return elapsed
+}
+
+func waitDone(b *testing.B, done func() int64) {
+	deadline := time.Now().Add(5 * time.Minute)
+	for done() < int64(b.N) {
+		if time.Now().After(deadline) {
+			b.Fatalf("%d of %d messages after 5 minutes", done(), b.N)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func deleteRedisPrefix(b *testing.B, c rueidis.Client, prefix string) {
+	ctx := context.Background()
+	var cursor uint64
+	for {
+		e, err := c.Do(ctx, c.B().Scan().Cursor(cursor).Match(prefix+"*").Count(1000).Build()).AsScanEntry()
+		if err != nil {
+			b.Errorf("scan %s*: %v", prefix, err)
+			return
+		}
+		if len(e.Elements) > 0 {
+			if err := c.Do(ctx, c.B().Unlink().Key(e.Elements...).Build()).Error(); err != nil {
+				b.Errorf("unlink: %v", err)
+				return
+			}
+		}
+		if cursor = e.Cursor; cursor == 0 {
+			return
+		}
+	}
+}
