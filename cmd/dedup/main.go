@@ -47,7 +47,7 @@ func commands() []command {
 		{"proxy", "an HTTP idempotency reverse proxy: Idempotency-Key semantics in front of any HTTP service", runProxy},
 		{"migrate", "create or upgrade the schema of the PostgreSQL store", runMigrate},
 		{"sweep", "delete expired records from the PostgreSQL store in bounded batches", runSweep},
-		{"dlq", "replay dead-lettered messages, keeping their IDs", nil},
+		{"dlq", "list, inspect and replay dead-lettered messages under their original IDs (NATS dead-letter streams)", runDLQ},
 	}
 }
 

@@ -153,11 +153,17 @@ func (f *proxyFlags) check() error {
 
 // openStore opens the store the flags name.
 func (f *proxyFlags) openStore(ctx context.Context) (dedup.Store, error) {
-	switch f.store {
+	return openStore(ctx, f.store, f.path, f.addr)
+}
+
+// openStore opens a store by kind (memory, sqlite, redis, postgres) at
+// path (sqlite) or addr (redis, postgres; "" for the environment's or the
+// loopback default). A PostgreSQL store must have its schema.
+func openStore(ctx context.Context, kind, path, addr string) (dedup.Store, error) {
+	switch kind {
 	case "sqlite":
-		return sqlitestore.Open(f.path)
+		return sqlitestore.Open(path)
 	case "redis":
-		addr := f.addr
 		if addr == "" {
 			addr = os.Getenv("DEDUP_REDIS_ADDR")
 		}
@@ -170,13 +176,13 @@ func (f *proxyFlags) openStore(ctx context.Context) (dedup.Store, error) {
 		}
 		return s, nil
 	case "postgres":
-		pf := pgFlags{addr: f.addr, schema: "public", prefix: "dedup_"}
+		pf := pgFlags{addr: addr, schema: "public", prefix: "dedup_"}
 		s, err := pf.open(ctx)
 		if err != nil {
 			return nil, err
 		}
-		// Refuse to start on a database without the schema (every request
-		// would be a 503), and log retention shorter than a replay horizon.
+		// Refuse to start on a database without the schema (every call
+		// would fail), and log retention shorter than a replay horizon.
 		if _, err := s.Check(ctx); err != nil {
 			s.Close()
 			return nil, err

@@ -25,6 +25,8 @@ type verifyFlags struct {
 	addr    string
 	flush   int
 	keep    bool
+	broker  string
+	natsURL string
 	timeout time.Duration
 	json    bool
 	quiet   bool
@@ -54,6 +56,13 @@ Modes:
          the transactional inbox or an idempotent effect, so verify does
          not claim lease mode closes it.
 
+Brokers:
+  simulated  (default) an in-process broker that injects every fault above.
+  nats       a real NATS JetStream server (--nats-url): messages are
+             published with Nats-Msg-Id, consumed by a durable pull consumer,
+             acked only after the commit; a crash acks nothing and JetStream
+             redelivers after its AckWait; failures are NakWithDelay.
+
 Exit status: 0 when every message was applied exactly once, 1 on any
 violation (lost, applied twice, timeout) or failure, 2 on bad usage.
 
@@ -69,6 +78,8 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	fs.StringVar(&f.mode, "mode", "", "inbox or lease (default: inbox for sqlite and postgres, lease for memory and redis)")
 	fs.StringVar(&f.path, "path", "", "SQLite database `file` to use and keep (default: a temporary file, removed at exit)")
 	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store: host:port, comma-separated for a Redis cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379), or a PostgreSQL connection string (default: $DEDUP_POSTGRES_URL or postgres://postgres@127.0.0.1:5432/test?sslmode=disable)")
+	fs.StringVar(&f.broker, "broker", "simulated", "broker to run the pipeline over: simulated (in process) or nats (a real JetStream server)")
+	fs.StringVar(&f.natsURL, "nats-url", "", "for --broker nats: the server `URL` (default: $DEDUP_NATS_URL or nats://127.0.0.1:4222)")
 	fs.IntVar(&f.flush, "flush-every", 0, "for --store layered: flush Redis and empty the window every `N` deliveries (0: never)")
 	fs.BoolVar(&f.keep, "keep", false, "keep the temporary database (SQLite file, or the run's PostgreSQL schema with its dedup and ledger tables) and print where it is")
 	fs.IntVar(&f.cfg.Messages, "messages", d.Messages, "distinct messages to publish (at least 1)")
@@ -154,6 +165,21 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 	if f.timeout <= 0 {
 		return f, b, badUsage("--timeout must be positive, got %v", f.timeout)
 	}
+	switch f.broker {
+	case "simulated":
+		if f.natsURL != "" {
+			return f, b, badUsage("--nats-url applies only to --broker nats")
+		}
+	case "nats":
+		if f.natsURL == "" {
+			f.natsURL = os.Getenv("DEDUP_NATS_URL")
+		}
+		if f.natsURL == "" {
+			f.natsURL = "nats://127.0.0.1:4222"
+		}
+	default:
+		return f, b, badUsage("--broker must be simulated or nats, got %q", f.broker)
+	}
 	if err := f.cfg.Validate(); err != nil {
 		return f, b, badUsage("%v", err)
 	}
@@ -236,7 +262,13 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 		bar = newProgressBar(stderr)
 		f.cfg.Progress = bar.update
 	}
-	rep, runErr := verify.Run(ctx, f.cfg, t)
+	var rep verify.Report
+	var runErr error
+	if f.broker == "nats" {
+		rep, runErr = verify.RunNATS(ctx, f.cfg, t, verify.NATSOptions{URL: f.natsURL, Keep: f.keep})
+	} else {
+		rep, runErr = verify.Run(ctx, f.cfg, t)
+	}
 	if bar != nil {
 		bar.finish()
 	}
@@ -301,7 +333,10 @@ func writeSummary(w io.Writer, r *verify.Report) {
 	p := func(label, format string, args ...any) {
 		fmt.Fprintf(w, "  %-22s %s\n", label, fmt.Sprintf(format, args...))
 	}
-	fmt.Fprintf(w, "dedup verify: %s store, %s mode\n", r.Store, r.Mode)
+	fmt.Fprintf(w, "dedup verify: %s store, %s mode, %s broker\n", r.Store, r.Mode, r.Broker)
+	if r.Stream != "" {
+		fmt.Fprintf(w, "  (JetStream stream %s; the extra copies are producer retries outside the broker's duplicate window)\n", r.Stream)
+	}
 	switch r.Mode {
 	case verify.InboxMode:
 		fmt.Fprintln(w, "  (the ledger row and the dedup record commit in one transaction)")

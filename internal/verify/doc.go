@@ -22,6 +22,12 @@
 // must have exactly one row in the ledger. A message with none is lost, a
 // message with more than one was applied twice.
 //
+// [RunNATS] runs the same pipeline over a real NATS JetStream server instead
+// of the simulated broker: the faults are injected by the consumer (a crash
+// acks nothing and JetStream redelivers after AckWait; a failure is a
+// NakWithDelay), and the extra copies are producer retries from outside
+// the broker's duplicate window.
+//
 // A [Target] is one store in one mode. Lease mode ([NewLease]) runs any
 // [dedup.Store] through a [dedup.Runner]: claim, effect, complete, ack.
 // Inbox mode ([NewInbox]) writes the ledger row inside the SQL store's

@@ -9,7 +9,11 @@ import (
 // `dedup verify --json`.
 type Report struct {
 	// What ran.
-	Store     string  `json:"store"`
+	Store string `json:"store"`
+	// Broker is "simulated" (in process) or "nats" (a real JetStream
+	// server), and Stream the run's JetStream stream.
+	Broker    string  `json:"broker"`
+	Stream    string  `json:"stream,omitempty"`
 	Mode      Mode    `json:"mode"`
 	Messages  int     `json:"messages"`
 	Consumers int     `json:"consumers"`

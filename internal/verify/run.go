@@ -28,28 +28,11 @@ const effectsTimeout = time.Minute
 //
 // Run does not close t. Every goroutine it starts has ended when it returns.
 func Run(ctx context.Context, cfg Config, t Target) (Report, error) {
-	if err := cfg.Validate(); err != nil {
+	b, err := start(cfg, t, "simulated")
+	if err != nil {
 		return Report{}, err
 	}
-	if t == nil {
-		return Report{}, errors.New("verify: no target")
-	}
-	if cfg.Seed == 0 {
-		cfg.Seed = rand.Uint64() | 1
-	}
-	if cfg.ProgressEvery == 0 {
-		cfg.ProgressEvery = 100 * time.Millisecond
-	}
-	// A fresh prefix per run keeps message IDs and keys apart from earlier
-	// runs on a kept database.
-	runID := strconv.FormatUint(rand.Uint64()>>24, 36)
-	b := newBroker(cfg, runID+"-")
-	b.report = Report{
-		Store: t.Store(), Mode: t.Mode(),
-		Messages: cfg.Messages, Consumers: cfg.Consumers,
-		DupRate: cfg.DupRate, CrashRate: cfg.CrashRate, FailRate: cfg.FailRate,
-		Lease: cfg.Lease.String(), Seed: cfg.Seed,
-	}
+	cfg = b.cfg
 
 	out := make(chan Delivery)
 	results := make(chan settled, cfg.Consumers)
@@ -75,8 +58,42 @@ func Run(ctx context.Context, cfg Config, t Target) (Report, error) {
 		}
 	}
 	wg.Wait()
-	elapsed := time.Since(b.start)
+	return b.conclude(ctx, t, stopped)
+}
 
+// start checks cfg and t and returns the broker of a new run over the
+// named broker, with cfg's defaults filled in.
+func start(cfg Config, t Target, broker string) (*broker, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if t == nil {
+		return nil, errors.New("verify: no target")
+	}
+	if cfg.Seed == 0 {
+		cfg.Seed = rand.Uint64() | 1
+	}
+	if cfg.ProgressEvery == 0 {
+		cfg.ProgressEvery = 100 * time.Millisecond
+	}
+	// A fresh prefix per run keeps message IDs and keys apart from earlier
+	// runs on a kept database (and streams apart on a shared server).
+	runID := strconv.FormatUint(rand.Uint64()>>24, 36)
+	b := newBroker(cfg, runID+"-")
+	b.runID = runID
+	b.report = Report{
+		Store: t.Store(), Mode: t.Mode(), Broker: broker,
+		Messages: cfg.Messages, Consumers: cfg.Consumers,
+		DupRate: cfg.DupRate, CrashRate: cfg.CrashRate, FailRate: cfg.FailRate,
+		Lease: cfg.Lease.String(), Seed: cfg.Seed,
+	}
+	return b, nil
+}
+
+// conclude ends a run: it says whether it stopped early, reads the ledger
+// and judges it.
+func (b *broker) conclude(ctx context.Context, t Target, stopped bool) (Report, error) {
+	elapsed := time.Since(b.start)
 	rep := &b.report
 	if stopped {
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
@@ -114,6 +131,7 @@ type settled struct {
 // about the same time.
 type broker struct {
 	cfg    Config
+	runID  string
 	prefix string
 	rng    *rand.Rand
 	start  time.Time
@@ -220,13 +238,7 @@ func (b *broker) refill() {
 	for b.ready.len() < 2*b.cfg.Consumers && b.next < b.cfg.Messages {
 		seq := b.next
 		b.next++
-		id := b.msgID(seq)
-		d := Delivery{
-			Seq:         seq,
-			MsgID:       id,
-			Key:         dedup.Key{Scope: scope, ID: id},
-			Fingerprint: dedup.FingerprintOf([]byte(`{"msg_id":"` + id + `","amount_cents":` + strconv.Itoa(seq%9973+1) + `}`)),
-		}
+		d := b.delivery(seq)
 		b.pending[seq] = 1
 		b.enqueue(d)
 		if b.rng.Float64() < b.cfg.DupRate {
@@ -237,26 +249,49 @@ func (b *broker) refill() {
 	}
 }
 
+// delivery returns the first delivery of message seq.
+func (b *broker) delivery(seq int) Delivery {
+	id := b.msgID(seq)
+	return Delivery{
+		Seq:         seq,
+		MsgID:       id,
+		Key:         dedup.Key{Scope: scope, ID: id},
+		Fingerprint: dedup.FingerprintOf(payloadOf(id, seq)),
+	}
+}
+
+// payloadOf is the body of message seq.
+func payloadOf(id string, seq int) []byte {
+	return []byte(`{"msg_id":"` + id + `","amount_cents":` + strconv.Itoa(seq%9973+1) + `}`)
+}
+
 // enqueue makes d ready, drawing its fault.
 func (b *broker) enqueue(d Delivery) {
-	u := b.rng.Float64()
-	switch c := b.cfg.CrashRate; {
-	case u < c/2:
-		d.Fault = CrashBeforeCommit
-	case u < c:
-		d.Fault = CrashAfterCommit
-	case u < c+b.cfg.FailRate:
-		d.Fault = HandlerFailure
-	default:
-		d.Fault = NoFault
-	}
+	d.Fault = b.fault()
 	b.ready.push(d)
 }
+
+// fault draws what goes wrong with one delivery.
+func (b *broker) fault() Fault { return faultOf(b.cfg, b.rng.Float64()) }
 
 // settle counts what became of a delivery, then forgets it if it was
 // acknowledged or schedules its redelivery if not. After the loop stopped
 // (live false) nothing is redelivered: the message stays unfinished.
 func (b *broker) settle(s settled, live bool) {
+	delay, acked := b.account(s, s.res.Outcome.acked())
+	if acked || !live {
+		return
+	}
+	d := s.d
+	d.Redelivered++
+	b.report.Redeliveries++
+	heap.Push(&b.delayed, delayed{due: time.Now().Add(delay), d: d})
+}
+
+// account counts what became of a delivery and, if acked, that its message
+// has one delivery fewer pending. It returns how long the broker should
+// wait before redelivering an unacknowledged delivery.
+func (b *broker) account(s settled, acked bool) (delay time.Duration, _ bool) {
 	rep := &b.report
 	res := s.res
 	if ms := float64(s.took) / float64(time.Millisecond); ms > rep.SlowestDeliveryMS {
@@ -266,7 +301,6 @@ func (b *broker) settle(s settled, live bool) {
 		rep.Takeovers++
 	}
 	lease := b.cfg.Lease
-	var delay time.Duration
 	switch res.Outcome {
 	case Applied:
 	case Duplicate:
@@ -301,20 +335,13 @@ func (b *broker) settle(s settled, live bool) {
 	if res.Err != nil && rep.FirstError == "" {
 		rep.FirstError = res.Outcome.String() + ": " + res.Err.Error()
 	}
-	if res.Outcome.acked() {
+	if acked {
 		b.pending[s.d.Seq]--
 		if b.pending[s.d.Seq] == 0 {
 			b.done++
 		}
-		return
 	}
-	if !live {
-		return
-	}
-	d := s.d
-	d.Redelivered++
-	rep.Redeliveries++
-	heap.Push(&b.delayed, delayed{due: time.Now().Add(delay), d: d})
+	return delay, acked
 }
 
 func (b *broker) jitter(d time.Duration) time.Duration {
