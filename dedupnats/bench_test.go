@@ -37,6 +37,13 @@ import (
 //     messages queued, up to half the batch: one batch claim, one batch
 //     complete). pgstore has no CompleteBatch: its completes fall back to
 //     one Complete per message.
+//   - redis-floor1, redis-floor2: what any Redis dedup costs at least, in
+//     the same batch mode with the processor replaced: one pipeline per
+//     batch of plain SET NX PX of each message ID, then the acks (floor1:
+//     the unsafe "SET NX then process" shape, one write per message);
+//     floor2 adds a second pipeline of plain SETs after the handlers
+//     (the claim and the completion every crash-safe design writes, but
+//     unfenced and without envelope, processor or result).
 //
 // Each store's x_bare metric is its rate over bare's rate in the same run
 // (with -count, over the last bare run's).
@@ -149,6 +156,59 @@ func benchConsume(b *testing.B, batch, conc int) {
 			run(st.name+"-batch", st.open, WithBatchProcessing())
 		}
 	}
+	for writes := 1; writes <= 2; writes++ {
+		b.Run(fmt.Sprintf("redis-floor%d", writes), func(b *testing.B) {
+			_, js := connect(b)
+			stream := benchStream(b, js)
+			rc := benchRedis(b)
+			prefix := uniqueName(b, "") + ":"
+			b.Cleanup(func() { deleteRedisPrefix(b, rc, prefix) })
+			c, err := NewConsumer(js, stream, "bench", benchProcessor(b, "floor", mustMem(b)),
+				WithBatch(batch), WithBatchProcessing(), WithLogger(quiet))
+			if err != nil {
+				b.Fatal(err)
+			}
+			var done atomic.Int64
+			c.processBatch = func(ctx context.Context, msgs []jetstream.Msg) {
+				for w := range writes {
+					cmds := make(rueidis.Commands, len(msgs))
+					for i, msg := range msgs {
+						k := rc.B().Set().Key(prefix + msg.Headers().Get(HeaderMsgID)).Value("x")
+						if w == 0 {
+							cmds[i] = k.Nx().PxMilliseconds(3600_000).Build()
+						} else {
+							cmds[i] = k.PxMilliseconds(3600_000).Build()
+						}
+					}
+					for _, res := range rc.DoMulti(ctx, cmds...) {
+						if err := res.Error(); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				}
+				for _, msg := range msgs {
+					c.held.remove(msg)
+					if msg.Ack() == nil {
+						done.Add(1)
+					}
+				}
+			}
+			elapsed := runBench(b, c, func() int64 { return done.Load() })
+			report(b, elapsed)
+		})
+	}
+}
+
+// benchRedis returns a client of the Redis under test.
+func benchRedis(b *testing.B) rueidis.Client {
+	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	rc, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: addrs})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(rc.Close)
+	return rc
 }
 
 var quiet = slog.New(slog.DiscardHandler)

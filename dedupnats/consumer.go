@@ -32,6 +32,8 @@ type Consumer struct {
 	p       *consumer.Processor
 	cfg     consumerConfig
 	process func(ctx context.Context, msg jetstream.Msg) // handle; the benchmarks' bare consumer replaces it
+	// handleBatch, with batch processing; the benchmarks' floors replace it
+	processBatch func(ctx context.Context, msgs []jetstream.Msg)
 
 	mu      sync.Mutex
 	running bool
@@ -103,7 +105,7 @@ func NewConsumer(js jetstream.JetStream, stream, durable string, p *consumer.Pro
 		return nil, err
 	}
 	c := &Consumer{js: js, stream: stream, durable: durable, p: p, cfg: cfg}
-	c.process = c.handle
+	c.process, c.processBatch = c.handle, c.handleBatch
 	return c, nil
 }
 
@@ -249,7 +251,7 @@ func (c *Consumer) loop(ctx context.Context, cons jetstream.Consumer) error {
 					unstarted = append(unstarted, msgs...)
 					mu.Unlock()
 				case c.cfg.batchProcessing:
-					c.handleBatch(procCtx, msgs)
+					c.processBatch(procCtx, msgs)
 				default:
 					c.process(procCtx, msg)
 				}

@@ -16,10 +16,13 @@
 // are coalesced into shared round trips while a lone caller pays no extra
 // latency. ClaimBatch sends the first command of every claim in one
 // pipeline (and the claim script, in a second, for keys found in
-// progress); CompleteBatch sends the fenced complete script of every item
-// in one pipeline, each item fenced by its own token. On a cluster the
-// client splits a pipeline per node and slot and the replies come back in
-// request order.
+// progress); CompleteBatch sends one pipeline of script calls, each
+// completing up to 128 keys that may share a script (any keys on a
+// standalone server, keys of one hash slot on a cluster), each key fenced
+// by its own token: one script call instead of one a key saves the server
+// about a third of its time per completion. On a cluster the client
+// splits a pipeline per node and slot and the replies come back in request
+// order.
 //
 // # What Redis does not guarantee
 //

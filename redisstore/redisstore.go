@@ -5,7 +5,9 @@ import (
 	"crypto/sha1"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -26,6 +28,8 @@ type Store struct {
 	closed    atomic.Bool
 
 	claim, complete, release, extend *script
+	completeMany                     *script
+	cluster                          bool // keys of one script must share a slot
 }
 
 type config struct {
@@ -99,6 +103,9 @@ func New(c rueidis.Client, opts ...Option) (*Store, error) {
 		complete: newScript(completeScript),
 		release:  newScript(releaseScript),
 		extend:   newScript(extendScript),
+
+		completeMany: newScript(completeManyScript),
+		cluster:      c.Mode() == rueidis.ClientModeCluster,
 	}, nil
 }
 
@@ -139,13 +146,29 @@ func (sc *script) exec(ctx context.Context, c rueidis.Client, keys, args []strin
 }
 
 // execMulti runs the script once per key, keys[i] with args[i], in one
-// pipeline (on a cluster the client splits it by node and slot and puts
-// the replies back in order). The calls a server answered NOSCRIPT, which
-// did not run, are sent again whole, in order, in a second pipeline.
+// pipeline (see execCalls).
 func (sc *script) execMulti(ctx context.Context, c rueidis.Client, keys []string, args [][]string) []rueidis.RedisResult {
-	cmds := make(rueidis.Commands, len(keys))
+	calls := make([]call, len(keys))
 	for i := range keys {
-		cmds[i] = sc.evalsha(c, keys[i:i+1], args[i])
+		calls[i] = call{sc, keys[i : i+1], args[i]}
+	}
+	return execCalls(ctx, c, calls)
+}
+
+// A call is one run of a script.
+type call struct {
+	sc         *script
+	keys, args []string
+}
+
+// execCalls runs calls in one pipeline (on a cluster the client splits it
+// by node and slot and puts the replies back in order). The calls a
+// server answered NOSCRIPT, which did not run, are sent again whole, in
+// order, in a second pipeline.
+func execCalls(ctx context.Context, c rueidis.Client, calls []call) []rueidis.RedisResult {
+	cmds := make(rueidis.Commands, len(calls))
+	for i, k := range calls {
+		cmds[i] = k.sc.evalsha(c, k.keys, k.args)
 	}
 	results := c.DoMulti(ctx, cmds...)
 	var again []int
@@ -157,7 +180,7 @@ func (sc *script) execMulti(ctx context.Context, c rueidis.Client, keys []string
 	if len(again) > 0 {
 		cmds = cmds[:0]
 		for _, i := range again {
-			cmds = append(cmds, sc.eval(c, keys[i:i+1], args[i]))
+			cmds = append(cmds, calls[i].sc.eval(c, calls[i].keys, calls[i].args))
 		}
 		for k, res := range c.DoMulti(ctx, cmds...) {
 			results[again[k]] = res
@@ -370,12 +393,12 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	return s.fenced("complete", res)
 }
 
-// CompleteBatch implements [dedup.BatchCompleter]: the complete script of
-// every item in one pipeline, each fenced by its own token as Complete is;
-// on a cluster the client splits the pipeline by node and slot. An item
-// whose reply is an error (a connection lost mid-pipeline) gets its own
-// [*dedup.StoreError]: it may or may not have run, and sending it again
-// with the same token is safe.
+// CompleteBatch implements [dedup.BatchCompleter] in one pipeline: the
+// items whose keys share a slot (every key, on a server that is not a
+// cluster) are completed by one script call, up to maxScriptKeys keys
+// each, and an item alone in its slot by the complete script. Each item is
+// fenced by its own token, as Complete fences it. A failed script call
+// fails only its own items.
 func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, retention time.Duration) ([]error, error) {
 	if err := dedup.ValidateCompleteBatch(items, retention); err != nil {
 		return nil, err
@@ -387,16 +410,103 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 		return []error{}, nil
 	}
 	ret := ms(retention)
-	keys, args := make([]string, len(items)), make([][]string, len(items))
+	keys := make([]string, len(items))
 	for i := range items {
-		c := &items[i].Claim
-		keys[i], args[i] = s.RedisKey(c.Key), []string{string(c.Token[:]), string(items[i].Result), ret}
+		keys[i] = s.RedisKey(items[i].Claim.Key)
+	}
+	groups := s.groups(keys)
+	calls := make([]call, len(groups))
+	for g, idx := range groups {
+		if len(idx) == 1 {
+			it := &items[idx[0]]
+			calls[g] = call{s.complete, keys[idx[0] : idx[0]+1], []string{string(it.Claim.Token[:]), string(it.Result), ret}}
+			continue
+		}
+		ks, args := make([]string, len(idx)), make([]string, 1, 1+2*len(idx))
+		args[0] = ret
+		for j, i := range idx {
+			ks[j] = keys[i]
+			args = append(args, string(items[i].Claim.Token[:]), string(items[i].Result))
+		}
+		calls[g] = call{s.completeMany, ks, args}
 	}
 	errs := make([]error, len(items))
-	for i, res := range s.complete.execMulti(ctx, s.client, keys, args) {
-		errs[i] = s.fenced("complete", res)
+	for g, res := range execCalls(ctx, s.client, calls) {
+		idx := groups[g]
+		if len(idx) == 1 {
+			errs[idx[0]] = s.fenced("complete", res)
+			continue
+		}
+		vals, err := res.ToArray()
+		if err == nil && len(vals) != len(idx) {
+			err = fmt.Errorf("complete script answered %d values for %d keys", len(vals), len(idx))
+		}
+		for j, i := range idx {
+			if err != nil {
+				errs[i] = s.fail("complete", err)
+				continue
+			}
+			n, verr := vals[j].AsInt64()
+			errs[i] = s.fencedValue("complete", n, verr)
+		}
 	}
 	return errs, nil
+}
+
+// maxScriptKeys bounds the keys of one completeMany call, which holds the
+// server for a few microseconds a key.
+const maxScriptKeys = 128
+
+// groups splits the indexes of keys, in order, into groups that one script
+// call may take: keys of one slot on a cluster, any keys otherwise; each
+// group holds at most maxScriptKeys.
+func (s *Store) groups(keys []string) [][]int {
+	var groups [][]int
+	if !s.cluster {
+		for lo := 0; lo < len(keys); lo += maxScriptKeys {
+			g := make([]int, min(maxScriptKeys, len(keys)-lo))
+			for j := range g {
+				g[j] = lo + j
+			}
+			groups = append(groups, g)
+		}
+		return groups
+	}
+	open := make(map[uint16]int) // slot -> its group with room
+	for i, k := range keys {
+		sl := slot(k)
+		g, ok := open[sl]
+		if !ok || len(groups[g]) == maxScriptKeys {
+			g = len(groups)
+			groups = append(groups, nil)
+			open[sl] = g
+		}
+		groups[g] = append(groups[g], i)
+	}
+	return groups
+}
+
+// slot returns the cluster hash slot of key: CRC16 (XMODEM) of the key,
+// or of its hash tag (what lies between the first '{' and the next '}',
+// when not empty), modulo 16384, as Redis Cluster computes it.
+func slot(key string) uint16 {
+	if i := strings.IndexByte(key, '{'); i >= 0 {
+		if j := strings.IndexByte(key[i+1:], '}'); j > 0 {
+			key = key[i+1 : i+1+j]
+		}
+	}
+	var crc uint16
+	for k := 0; k < len(key); k++ {
+		crc ^= uint16(key[k]) << 8
+		for range 8 {
+			if crc&0x8000 != 0 {
+				crc = crc<<1 ^ 0x1021
+			} else {
+				crc <<= 1
+			}
+		}
+	}
+	return crc & 16383
 }
 
 // Release implements [dedup.Store]. The next claim starts at attempt 1.
@@ -433,6 +543,11 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 
 func (s *Store) fenced(op string, res rueidis.RedisResult) error {
 	n, err := res.AsInt64()
+	return s.fencedValue(op, n, err)
+}
+
+// fencedValue is the error of a fenced script that answered n, or err.
+func (s *Store) fencedValue(op string, n int64, err error) error {
 	switch {
 	case err != nil:
 		return s.fail(op, err)

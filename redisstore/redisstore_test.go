@@ -56,60 +56,14 @@ func TestConformanceCluster(t *testing.T) {
 // split per node and slot, and its outcomes come back in request order.
 func TestClusterBatchSpansSlots(t *testing.T) {
 	s := open(t, clusterAddrs(t))
-	ctx := context.Background()
-	scope := fmt.Sprintf("batch-%d", time.Now().UnixNano())
-	reqs := make([]dedup.ClaimRequest, 300)
-	for i := range reqs {
-		reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: scope, ID: fmt.Sprint("k", i%150)}} // each key twice
-	}
-	got, err := s.ClaimBatch(ctx, reqs, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, c := range got {
-		want := dedup.Acquired
-		if i >= 150 {
-			want = dedup.InProgress
-		}
-		if c.Key != reqs[i].Key || c.Outcome != want {
-			t.Fatalf("item %d: %v %v, want %v %v", i, c.Key, c.Outcome, reqs[i].Key, want)
-		}
-	}
-	// Complete the 150 acquired claims in one batch across the masters,
-	// with one stale token among them.
-	items := make([]dedup.Completion, 150)
-	for i := range items {
-		items[i] = dedup.Completion{Claim: got[i], Result: []byte(reqs[i].Key.ID)}
-	}
-	items[7].Claim.Token = dedup.NewToken()
-	errs, err := s.CompleteBatch(ctx, items, time.Hour)
-	if err != nil || len(errs) != len(items) {
-		t.Fatalf("CompleteBatch = %d results, %v", len(errs), err)
-	}
-	for i, err := range errs {
-		if (i == 7) != errors.Is(err, dedup.ErrLeaseLost) || i != 7 && err != nil {
-			t.Fatalf("completion %d: %v", i, err)
-		}
-	}
-	again, err := s.ClaimBatch(ctx, reqs[:150], time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, c := range again {
-		switch {
-		case i == 7 && c.Outcome != dedup.InProgress:
-			t.Fatalf("the stale completion changed key %d: %v", i, c.Outcome)
-		case i != 7 && (c.Outcome != dedup.Duplicate || string(c.Result) != reqs[i].Key.ID):
-			t.Fatalf("key %d after the batch completion: %v %q", i, c.Outcome, c.Result)
-		}
-	}
+	reqs := batchRoundTrip(t, s, 150)
 	nodes := map[string]bool{}
-	for i := range 150 {
+	for _, r := range reqs {
 		// Ask each master whether it holds the key: the batch must have
 		// touched all three.
-		k := s.RedisKey(reqs[i].Key)
+		k := s.RedisKey(r.Key)
 		for addr, n := range s.Client().Nodes() {
-			if v, _ := n.Do(ctx, n.B().Exists().Key(k).Build()).AsInt64(); v == 1 {
+			if v, _ := n.Do(context.Background(), n.B().Exists().Key(k).Build()).AsInt64(); v == 1 {
 				nodes[addr] = true
 			}
 		}
@@ -117,6 +71,75 @@ func TestClusterBatchSpansSlots(t *testing.T) {
 	if len(nodes) < 3 {
 		t.Fatalf("150 keys landed on %d masters; the test needs all 3", len(nodes))
 	}
+}
+
+// TestCompleteBatchManyKeysPerScript: keys that one script may take
+// together (any keys on a standalone server; keys of one hash slot on a
+// cluster, here through a hash-tagged prefix) are completed several per
+// script call, more than one call's worth, each fenced by its own token.
+func TestCompleteBatchManyKeysPerScript(t *testing.T) {
+	t.Run("standalone", func(t *testing.T) { batchRoundTrip(t, open(t, standaloneAddrs(t)), 300) })
+	t.Run("cluster one slot", func(t *testing.T) {
+		s := open(t, clusterAddrs(t), redisstore.WithPrefix("{dedup-test}:"))
+		batchRoundTrip(t, s, 300)
+	})
+}
+
+// batchRoundTrip claims n keys twice each in one batch (the second
+// occurrence finds the first in progress), completes the acquired ones in
+// one batch with every seventh token stale, checks each item's outcome
+// and then each key's record, and returns the requests of the n keys.
+func batchRoundTrip(t *testing.T, s *redisstore.Store, n int) []dedup.ClaimRequest {
+	t.Helper()
+	ctx := context.Background()
+	scope := fmt.Sprintf("batch-%d", time.Now().UnixNano())
+	reqs := make([]dedup.ClaimRequest, 2*n)
+	for i := range reqs {
+		reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: scope, ID: fmt.Sprint("k", i%n)}}
+	}
+	got, err := s.ClaimBatch(ctx, reqs, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range got {
+		want := dedup.Acquired
+		if i >= n {
+			want = dedup.InProgress
+		}
+		if c.Key != reqs[i].Key || c.Outcome != want {
+			t.Fatalf("item %d: %v %v, want %v %v", i, c.Key, c.Outcome, reqs[i].Key, want)
+		}
+	}
+	stale := func(i int) bool { return i%7 == 3 }
+	items := make([]dedup.Completion, n)
+	for i := range items {
+		items[i] = dedup.Completion{Claim: got[i], Result: []byte(reqs[i].Key.ID)}
+		if stale(i) {
+			items[i].Claim.Token = dedup.NewToken()
+		}
+	}
+	errs, err := s.CompleteBatch(ctx, items, time.Hour)
+	if err != nil || len(errs) != len(items) {
+		t.Fatalf("CompleteBatch = %d results, %v", len(errs), err)
+	}
+	for i, err := range errs {
+		if stale(i) != errors.Is(err, dedup.ErrLeaseLost) || !stale(i) && err != nil {
+			t.Fatalf("completion %d: %v", i, err)
+		}
+	}
+	again, err := s.ClaimBatch(ctx, reqs[:n], time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range again {
+		switch {
+		case stale(i) && c.Outcome != dedup.InProgress:
+			t.Fatalf("the stale completion changed key %d: %v", i, c.Outcome)
+		case !stale(i) && (c.Outcome != dedup.Duplicate || string(c.Result) != reqs[i].Key.ID):
+			t.Fatalf("key %d after the batch completion: %v %q", i, c.Outcome, c.Result)
+		}
+	}
+	return reqs[:n]
 }
 
 func TestKeysDoNotCollide(t *testing.T) {
@@ -133,6 +156,8 @@ func TestKeysDoNotCollide(t *testing.T) {
 
 // noClient is only a non-nil rueidis.Client for constructor tests.
 type noClient struct{ rueidis.Client }
+
+func (noClient) Mode() rueidis.ClientMode { return rueidis.ClientModeStandalone }
 
 func TestBadOptions(t *testing.T) {
 	if _, err := redisstore.New(nil); !errors.Is(err, dedup.ErrInvalidArgument) {
@@ -308,5 +333,26 @@ func TestScriptCacheFlushed(t *testing.T) {
 	}
 	if d, err := s.Claim(ctx, k, "", time.Minute); err != nil || d.Outcome != dedup.Duplicate || string(d.Result) != "r" {
 		t.Fatalf("after flushed scripts: %v %q %v", d.Outcome, d.Result, err)
+	}
+}
+
+// TestSlotAgreesWithCluster: the slot the store groups keys by is the one
+// the cluster computes (CLUSTER KEYSLOT), hash tags included, so that a
+// script never gets keys of two slots.
+func TestSlotAgreesWithCluster(t *testing.T) {
+	s := open(t, clusterAddrs(t))
+	ctx := context.Background()
+	keys := []string{"", "a", "foo", "123456789", "{}", "{", "}", "{}a", "a{}b", "{a}", "x{a}y", "x{a}{b}", "}{a}", "{{a}}", "x{}{a}", "dedup:3:abc:k1", "\x00\xff\xfe"}
+	for i := range 200 {
+		keys = append(keys, fmt.Sprintf("dedup:%d:scope-%d:id-%d", i%13, i, i*7919))
+	}
+	for _, k := range keys {
+		want, err := s.Client().Do(ctx, s.Client().B().ClusterKeyslot().Key(k).Build()).AsInt64()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := redisstore.Slot(k); int64(got) != want {
+			t.Errorf("slot(%q) = %d, the cluster says %d", k, got, want)
+		}
 	}
 }

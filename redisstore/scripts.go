@@ -4,7 +4,8 @@ import "strconv"
 
 // The Lua scripts below are the whole state machine. Each runs atomically
 // on the server (Redis runs one script at a time) and touches exactly one
-// key, so it works unchanged on Redis Cluster. Time is the server's: leases
+// key, so it works unchanged on Redis Cluster; completeManyScript, which
+// touches several, is only given keys of one hash slot. Time is the server's: leases
 // and retention are key TTLs, which the server enforces, so clients with
 // skewed clocks agree on when a lease ends.
 //
@@ -78,6 +79,29 @@ if state == 'c' then return 1 end
 local ret = tonumber(ARGV[3])
 redis.call('SET', KEYS[1], 'c' .. ARGV[1] .. a .. ':' .. (now + ret) .. ':' .. #f .. ':' .. f .. ARGV[2], 'PX', ret)
 return 1
+`
+
+// completeManyScript completes several records of one slot in one call:
+// KEYS; ARGV[1] retention ms, then for KEYS[i] ARGV[2i] its token and
+// ARGV[2i+1] its result. Each key as completeScript; returns the array of
+// their answers, in order.
+const completeManyScript = parse + luaNow + `
+local ret = tonumber(ARGV[1])
+local out = {}
+for i, k in ipairs(KEYS) do
+	local tok = ARGV[2 * i]
+	local old = redis.call('GET', k)
+	if not old or string.sub(old, 2, 17) ~= tok then
+		out[i] = 0
+	else
+		local state, _, a, _, f = parse(old)
+		if state ~= 'c' then
+			redis.call('SET', k, 'c' .. tok .. a .. ':' .. (now + ret) .. ':' .. #f .. ':' .. f .. ARGV[2 * i + 1], 'PX', ret)
+		end
+		out[i] = 1
+	end
+end
+return out
 `
 
 // releaseScript: KEYS[1]; ARGV[1] token. Returns 1 released, 0 lease lost.
