@@ -296,6 +296,87 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	return nil
 }
 
+// CompleteBatch completes every item in one UPDATE over unnest, each
+// fenced by its own token as Complete fences it; see
+// [dedup.BatchCompleter]. The statement is one implicit transaction: on
+// error no item is completed if the error says SafeToRetry, and otherwise
+// any may be. An item repeated in the batch (the same key and token) is
+// sent once and the repeats report what its first occurrence did; the
+// stored result is the first occurrence's, as if they ran one after the
+// other. The distinct items are sent in key order, so two batches with
+// keys in common update them in the same order.
+func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, retention time.Duration) ([]error, error) {
+	if err := dedup.ValidateCompleteBatch(items, retention); err != nil {
+		return nil, err
+	}
+	if err := s.begin(ctx, "complete batch"); err != nil {
+		return nil, err
+	}
+	errs := make([]error, len(items))
+	if len(items) == 0 {
+		return errs, nil
+	}
+	type item struct {
+		key dedup.Key
+		tok dedup.Token
+	}
+	// first[i] is the index of the first item equal to items[i]; order
+	// lists the first items sorted by key.
+	first := make([]int, len(items))
+	seen := make(map[item]int, len(items))
+	order := make([]int, 0, len(items))
+	for i := range items {
+		c := &items[i].Claim
+		k := item{c.Key, c.Token}
+		if j, ok := seen[k]; ok {
+			first[i] = j
+			continue
+		}
+		seen[k] = i
+		first[i] = i
+		order = append(order, i)
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		ka, kb := items[a].Claim.Key, items[b].Claim.Key
+		if c := strings.Compare(ka.Scope, kb.Scope); c != 0 {
+			return c
+		}
+		return strings.Compare(ka.ID, kb.ID)
+	})
+	n := len(order)
+	scopes, ids := make([]string, n), make([]string, n)
+	tokens, results := make([][]byte, n), make([][]byte, n)
+	for j, i := range order {
+		c := &items[i].Claim
+		scopes[j], ids[j], tokens[j], results[j] = c.Key.Scope, c.Key.ID, c.Token[:], items[i].Result
+	}
+	done := make([]bool, n)
+	rows, err := s.pool.Query(ctx, s.sql.completeBatch, scopes, ids, tokens, results, micros(retention))
+	if err == nil {
+		var o int64
+		_, err = pgx.ForEachRow(rows, []any{&o}, func() error {
+			if o < 1 || o > int64(n) {
+				return fmt.Errorf("the batch returned item %d of %d", o, n)
+			}
+			done[o-1] = true
+			return nil
+		})
+	}
+	if err != nil {
+		return nil, s.failAuto(ctx, "complete batch", err)
+	}
+	pos := make([]int, len(items)) // index in order of each first item
+	for j, i := range order {
+		pos[i] = j
+	}
+	for i := range items {
+		if !done[pos[first[i]]] {
+			errs[i] = dedup.ErrLeaseLost
+		}
+	}
+	return errs, nil
+}
+
 // Release removes an acquired claim that is still in progress, in one
 // DELETE fenced by its token; the next claim acquires at once with attempt
 // 1. It never removes a completed record: that, or a token that no longer

@@ -141,6 +141,6 @@ func TestConformance(t *testing.T) {
 			}
 			t.Cleanup(func() { s.Close() })
 			return s
-		}, storetest.Features{Extend: true, BatchClaim: true, Sweep: true})
+		}, storetest.Features{Extend: true, BatchClaim: true, BatchComplete: true, Sweep: true})
 	})
 }

@@ -23,7 +23,7 @@ type statements struct {
 	pClaim, pInbox, pClaimBatch string
 	lock, lockMany              string
 	// Token-fenced transitions, on whichever table the store uses.
-	complete, release, extend, inboxResult string
+	complete, completeBatch, release, extend, inboxResult string
 	// inboxResultChecked is inboxResult for a pipeline that commits
 	// next: it fails, instead of updating nothing, when the record is
 	// not there as the inbox wrote it (see recordCheck).
@@ -221,6 +221,18 @@ func buildStatements(n *names, cfg *config) statements {
 	expires_at = CASE WHEN state = 1 THEN ` + now + ` + ` + retentionFor(n, "$1::text", "$5") + ` ELSE expires_at END,
 	state      = 2
 WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
+		// CompleteBatch: complete for each (scope, id, token, result) of
+		// four parallel arrays; returns the ordinal of each item whose
+		// token owns its record. The items must be distinct: PostgreSQL
+		// updates a row once per statement, with any one of the items
+		// that match it.
+		completeBatch: `UPDATE ` + table + ` r SET
+	result     = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
+	expires_at = CASE WHEN r.state = 1 THEN ` + now + ` + ` + retentionFor(n, "u.scope", "$5") + ` ELSE r.expires_at END,
+	state      = 2
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
+WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token
+RETURNING u.o`,
 		release: `DELETE FROM ` + table + ` WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1`,
 		extend: `UPDATE ` + table + ` SET lease_until = ` + now + ` + ` + usec("$4::int8") + `,
 	expires_at = ` + now + ` + ` + usec("($4::int8 + "+strconv.FormatInt(grace, 10)+")") + `
