@@ -17,6 +17,12 @@ type statements struct {
 	// WHERE): it returns no row for a key it cannot take, whose row it
 	// still locks, and current then reads that row.
 	inboxFast, current string
+	// apply is inboxFast storing a result ($6) and failing, with
+	// applyCheck, unless it acquired; applyCurrent reads the record that
+	// stopped it and whether it has become acquirable since (see
+	// Store.Apply). pApply is apply on the partitioned table, after the
+	// key's lock.
+	apply, applyCurrent, pApply string
 	// Partitioned table: run after the key's advisory lock (lock or
 	// lockMany) in the same transaction, in a later statement so that its
 	// snapshot sees every commit made before the lock was granted.
@@ -64,6 +70,7 @@ type kind struct {
 	state      string // "1" lease mode, "2" inbox (completed at once)
 	leaseUntil string
 	expiresAt  string
+	result     string // "NULL" but for Apply's record
 }
 
 func leaseKind(leaseParam string, grace int64) kind {
@@ -72,11 +79,19 @@ func leaseKind(leaseParam string, grace int64) kind {
 		state:      "1",
 		leaseUntil: now + ` + ` + usec(leaseParam+`::int8`),
 		expiresAt:  now + ` + ` + usec(`(`+leaseParam+`::int8 + `+g+`)`),
+		result:     "NULL",
 	}
 }
 
 func inboxKind(n *names, scope, retentionParam string) kind {
-	return kind{state: "2", leaseUntil: now, expiresAt: now + ` + ` + retentionFor(n, scope, retentionParam)}
+	return kind{state: "2", leaseUntil: now, expiresAt: now + ` + ` + retentionFor(n, scope, retentionParam), result: "NULL"}
+}
+
+// applyKind is inboxKind with the result ($6) stored at once.
+func applyKind(n *names, scope string) kind {
+	k := inboxKind(n, scope, "$5")
+	k.result = "$6::bytea"
+	return k
 }
 
 // upsertSet is the DO UPDATE of a plain-table claim. When the existing
@@ -91,7 +106,7 @@ func upsertSet() string {
 	state       = CASE WHEN ` + acq + ` THEN excluded.state ELSE r.state END,
 	token       = CASE WHEN ` + acq + ` THEN excluded.token ELSE r.token END,
 	fingerprint = CASE WHEN ` + acq + ` AND (r.state = 2 OR r.fingerprint = ''::bytea) THEN excluded.fingerprint ELSE r.fingerprint END,
-	result      = CASE WHEN ` + acq + ` THEN NULL ELSE r.result END,
+	result      = CASE WHEN ` + acq + ` THEN excluded.result ELSE r.result END,
 	lease_until = CASE WHEN ` + acq + ` THEN excluded.lease_until ELSE r.lease_until END,
 	expires_at  = CASE WHEN ` + acq + ` THEN excluded.expires_at ELSE r.expires_at END,
 	attempts    = CASE WHEN ` + acq + ` THEN CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END ELSE r.attempts END,
@@ -105,7 +120,7 @@ const columns = `(scope, id, state, token, fingerprint, result, lease_until, exp
 // parameter ($5: lease or retention in microseconds).
 func plainUpsert(n *names, k kind) string {
 	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
-VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
+VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
 ` + upsertSet() + `
 RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
 }
@@ -116,19 +131,24 @@ RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, 
 // UPDATE locks the conflicting row whatever its WHERE says) but not
 // returned: read it with the current statement in the same transaction.
 func plainAcquire(n *names, k kind) string {
+	return plainAcquireReturning(n, k, `r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`)
+}
+
+// plainAcquireReturning is plainAcquire returning the columns ret.
+func plainAcquireReturning(n *names, k kind, ret string) string {
 	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
-VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
+VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
 ON CONFLICT (scope, id) DO UPDATE SET
 	state       = excluded.state,
 	token       = excluded.token,
 	fingerprint = CASE WHEN r.state = 2 OR r.fingerprint = ''::bytea THEN excluded.fingerprint ELSE r.fingerprint END,
-	result      = NULL,
+	result      = excluded.result,
 	lease_until = excluded.lease_until,
 	expires_at  = excluded.expires_at,
 	attempts    = CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END,
 	created_at  = CASE WHEN r.state = 2 THEN excluded.created_at ELSE r.created_at END
 WHERE ` + acquirable("r", "excluded.fingerprint") + `
-RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
+RETURNING ` + ret
 }
 
 // plainBatch claims the keys of four parallel arrays ($1 scopes, $2 ids,
@@ -136,7 +156,7 @@ RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, 
 // be distinct: PostgreSQL refuses to update one row twice in a statement.
 func plainBatch(n *names, k kind) string {
 	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
-SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `
+SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `
 FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
 ` + upsertSet() + `
 RETURNING r.scope, r.id, r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
@@ -161,6 +181,16 @@ RETURNING r.scope, r.id, r.state, r.token, r.attempts, r.fingerprint, r.result, 
 // committed row, so the statement then does nothing and the caller
 // reports it.
 func partitionedUpsert(n *names, k kind, source string) string {
+	return partitionedClaim(n, k, source) + `
+SELECT scope, id, ` + returning + ` FROM ins
+UNION ALL
+SELECT scope, id, ` + returning + ` FROM cur WHERE NOT acq`
+}
+
+// partitionedClaim is partitionedUpsert up to its final SELECT: the CTEs
+// cur (the key's current row, locked, and whether it is acquirable) and
+// ins (the record inserted when it was).
+func partitionedClaim(n *names, k kind, source string) string {
 	acq := acquirable("r", "u.fp")
 	return `WITH u AS (` + source + `
 	WHERE current_setting('transaction_isolation') = 'read committed'),
@@ -176,15 +206,30 @@ ins AS (
 	INSERT INTO ` + n.recordsP + ` ` + columns + `
 	SELECT u.scope, u.id, ` + k.state + `, u.token,
 		CASE WHEN c.state = 1 AND c.fingerprint <> ''::bytea THEN c.fingerprint ELSE u.fp END,
-		NULL, ` + k.leaseUntil + `, ` + k.expiresAt + `,
+		` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `,
 		CASE WHEN c.state = 1 THEN c.attempts + 1 ELSE 1 END,
 		` + now + `
 	FROM u LEFT JOIN cur c ON c.scope = u.scope AND c.id = u.id
 	WHERE c.scope IS NULL OR c.acq
-	RETURNING scope, id, ` + returning + `)
-SELECT scope, id, ` + returning + ` FROM ins
-UNION ALL
-SELECT scope, id, ` + returning + ` FROM cur WHERE NOT acq`
+	RETURNING scope, id, ` + returning + `)`
+}
+
+// applyCheck is the final SELECT of Apply's claim over the CTE c of the
+// rows it inserted or took: the acquired record's attempts, lease_until
+// and expires_at, or, when c is empty, an error (see recordCheck for the
+// technique) that rolls back the implicit transaction of Apply's pipeline
+// before any of the caller's writes runs. On the partitioned table (p)
+// the claim does nothing outside READ COMMITTED, and the error says so.
+func applyCheck(c string, p bool) string {
+	taken := sqlLiteral(applyTaken + ": ")
+	if p {
+		taken = `CASE WHEN current_setting('transaction_isolation') = 'read committed' THEN ` + taken + `
+		ELSE ` + sqlLiteral(applyIsolation+": ") + ` END`
+	}
+	return `
+SELECT CASE count(*) WHEN 1 THEN min(attempts) ELSE (` + taken + ` || count(*))::int END,
+	min(lease_until), min(expires_at)
+FROM ` + c
 }
 
 const (
@@ -201,15 +246,18 @@ func buildStatements(n *names, cfg *config) statements {
 		table = n.recordsP
 	}
 	st := statements{
-		claim:       plainUpsert(n, leaseKind("$5", grace)),
-		inbox:       plainUpsert(n, inboxKind(n, "$1::text", "$5")),
-		inboxFast:   plainAcquire(n, inboxKind(n, "$1::text", "$5")),
-		current:     `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::text AND id = $2::text`,
-		claimBatch:  plainBatch(n, leaseKind("$5", grace)),
-		pClaim:      partitionedUpsert(n, leaseKind("$5", grace), scalarSource),
-		pInbox:      partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
-		pClaimBatch: partitionedUpsert(n, leaseKind("$5", grace), arraySource),
-		lock:        `SELECT pg_advisory_xact_lock($1::int8)`,
+		claim:        plainUpsert(n, leaseKind("$5", grace)),
+		inbox:        plainUpsert(n, inboxKind(n, "$1::text", "$5")),
+		inboxFast:    plainAcquire(n, inboxKind(n, "$1::text", "$5")),
+		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::text"), `r.attempts, r.lease_until, r.expires_at`) + `)` + applyCheck("c", false),
+		applyCurrent: `SELECT ` + returning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::text AND r.id = $2::text`,
+		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins", true),
+		current:      `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::text AND id = $2::text`,
+		claimBatch:   plainBatch(n, leaseKind("$5", grace)),
+		pClaim:       partitionedUpsert(n, leaseKind("$5", grace), scalarSource),
+		pInbox:       partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
+		pClaimBatch:  partitionedUpsert(n, leaseKind("$5", grace), arraySource),
+		lock:         `SELECT pg_advisory_xact_lock($1::int8)`,
 		// The keys come sorted and distinct, so that two batches lock
 		// their common keys in the same order and cannot deadlock.
 		lockMany: `SELECT count(pg_advisory_xact_lock(k)) FROM unnest($1::int8[]) WITH ORDINALITY AS t(k, o)`,
@@ -282,12 +330,24 @@ FROM d`
 // the planner cannot fold it early).
 const recordCheck = "dedup inbox record missing or changed"
 
+// The messages of applyCheck's errors: the key was not acquired (the
+// record is read next), or the partitioned claim ran outside READ
+// COMMITTED and did nothing.
+const (
+	applyTaken     = "dedup apply: key not acquired"
+	applyIsolation = "dedup apply: the partitioned records table needs READ COMMITTED"
+)
+
+// checkFailed reports whether err is the failure of a check statement
+// whose message starts with msg (see recordCheck).
+func checkFailed(err error, msg string) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "22P02" && strings.Contains(pe.Message, msg)
+}
+
 // isRecordCheck reports whether err is the failure of inboxResultChecked's
 // check.
-func isRecordCheck(err error) bool {
-	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == "22P02" && strings.Contains(pe.Message, recordCheck)
-}
+func isRecordCheck(err error) bool { return checkFailed(err, recordCheck) }
 
 // sqlLiteral quotes s as an SQL string literal.
 func sqlLiteral(s string) string { return `'` + strings.ReplaceAll(s, `'`, `''`) + `'` }

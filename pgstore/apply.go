@@ -1,0 +1,220 @@
+package pgstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/jackc/pgx/v5"
+)
+
+// Apply is the transactional inbox in one round trip, for a message whose
+// writes are known before they run: it claims key and runs writes in one
+// pipeline that PostgreSQL executes as one implicit transaction, so the
+// dedup record (completed at once, with result, kept for retention or the
+// scope's window if longer) and the writes commit together or not at all.
+//
+// The claim is the statement RunInbox uses on a new key, made to fail when
+// it does not acquire: the server then skips the writes and rolls the
+// whole pipeline back, and Apply reads the record that stopped it in a
+// second round trip and returns Duplicate (with the stored result),
+// InProgress (a [Store.Claim] owner holds a live lease) or Mismatch, with a
+// nil error. A concurrent Apply or inbox transaction with the same key
+// makes the claim wait until it ends, then see a duplicate if it committed
+// or acquire if it rolled back. A new message costs one round trip and one
+// commit; a business transaction that writes the same rows the usual way
+// (BEGIN, the writes, COMMIT) costs at least three.
+//
+// writes holds the message's statements, queued with [pgx.Batch.Queue];
+// nil or empty records the key alone. Their order is kept. What they
+// cannot do, because they are sent before any of them runs:
+//
+//   - depend on each other's results in Go (in SQL they can: a CTE, or a
+//     subquery on a row an earlier statement wrote);
+//   - have result callbacks ([pgx.QueuedQuery.Exec], Query or QueryRow):
+//     a callback could not stop the commit, which the server makes when the
+//     last statement succeeds, so Apply refuses them with an
+//     [*dedup.ArgumentError] before any I/O;
+//   - control the transaction (BEGIN, COMMIT, ROLLBACK, SAVEPOINT, ...),
+//     also refused. A handler that must read before it writes, or decide
+//     in Go between statements, belongs in [Store.RunInbox].
+//
+// Errors: an [*dedup.ArgumentError] for bad input; a [*dedup.StoreError]
+// when the store failed (NotApplied when nothing can have committed; when
+// the connection broke after the pipeline was sent the outcome is unknown,
+// and the redelivery finds out which, since the record and the writes
+// commit together); any other error is a statement of writes failing (a
+// [*pgconn.PgError] such as a constraint violation), returned unchanged,
+// and nothing was applied. A Claim with Outcome Acquired means the
+// pipeline committed.
+//
+// The implicit transaction runs at the server's default isolation
+// (default_transaction_isolation; PostgreSQL's own default is READ
+// COMMITTED). The partitioned store needs READ COMMITTED and reports a
+// [*dedup.StoreError] otherwise, having written nothing.
+func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, result []byte, writes *pgx.Batch) (dedup.Claim, error) {
+	if err := validateInbox(key, fp, retention, false); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := validateWrites(writes); err != nil {
+		return dedup.Claim{}, err
+	}
+	if err := s.begin(ctx, "apply"); err != nil {
+		return dedup.Claim{}, err
+	}
+	tok := dedup.NewToken()
+	for try := 1; ; try++ {
+		c, taken, err := s.applyOnce(ctx, key, fp, retention, &tok, result, writes)
+		if err != nil || !taken {
+			return c, err
+		}
+		// Another record stopped the claim. Read it; if it has gone or
+		// become acquirable since (swept, released, expired), claim again.
+		var r row
+		var acq bool
+		err = s.pool.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)).Scan(append(r.dest(), &acq)...)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows) || err == nil && acq:
+			if try == maxApplyTries {
+				return dedup.Claim{}, s.fail(ctx, "apply", fmt.Errorf("key %s was taken and freed again %d times in a row", key, try), true)
+			}
+			continue
+		case err != nil:
+			return dedup.Claim{}, s.fail(ctx, "apply read", err, true) // the claim rolled back
+		}
+		c, err = outcome(key, fp, nil, &r)
+		if err != nil {
+			return dedup.Claim{}, s.fail(ctx, "apply read", err, true)
+		}
+		return c, nil
+	}
+}
+
+// maxApplyTries bounds Apply's claims of a key that keeps changing between
+// its claim and its read of the record.
+const maxApplyTries = 3
+
+// applyOnce sends Apply's pipeline once. taken says the claim found a
+// record it could not acquire, and nothing was applied.
+func (s *Store) applyOnce(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, taken bool, err error) {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return c, false, s.fail(ctx, "apply", err, true)
+	}
+	defer conn.Release() // the pool closes a connection left in a transaction
+	b := &pgx.Batch{}
+	if writes != nil {
+		b.QueuedQueries = make([]*pgx.QueuedQuery, 0, len(writes.QueuedQueries)+2)
+	}
+	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result}
+	if s.cfg.partition > 0 {
+		b.Queue(s.sql.lock, s.keyLock(key))
+		b.Queue(s.sql.pApply, args...)
+	} else {
+		b.Queue(s.sql.apply, args...)
+	}
+	if writes != nil {
+		b.QueuedQueries = append(b.QueuedQueries, writes.QueuedQueries...)
+	}
+	br := conn.SendBatch(ctx, b)
+	if s.cfg.partition > 0 {
+		_, err = br.Exec()
+	}
+	var r row
+	if err == nil {
+		err = br.QueryRow().Scan(&r.attempts, &r.leaseUntil, &r.expiresAt)
+	}
+	if err != nil {
+		br.Close()
+		switch {
+		case checkFailed(err, applyTaken):
+			return c, true, nil
+		case checkFailed(err, applyIsolation):
+			return c, false, s.fail(ctx, "apply", errNotReadCommitted, true)
+		}
+		return c, false, s.failAuto(ctx, "apply", err)
+	}
+	// The writes' results, then the commit at the pipeline's end.
+	if err := br.Close(); err != nil {
+		if statementFailed(err) {
+			return c, false, err // a write failed: the implicit transaction rolled back
+		}
+		return c, false, s.fail(ctx, "apply", err, false)
+	}
+	if st := conn.Conn().PgConn().TxStatus(); st != 'I' {
+		// A write opened a transaction block that the pipeline's end did
+		// not commit; releasing the connection closes it, rolling back.
+		return c, false, s.fail(ctx, "apply", fmt.Errorf("the writes left the connection inside a transaction (status %q): nothing was committed", st), true)
+	}
+	r.state, r.token, r.fingerprint, r.result = stateCompleted, tok[:], fpBytes(fp), result
+	c, err = outcome(key, fp, tok, &r)
+	if err != nil {
+		return c, false, s.fail(ctx, "apply", err, false)
+	}
+	if len(result) > 0 {
+		c.Result = result
+	}
+	return c, false, nil
+}
+
+// validateWrites refuses what Apply cannot run: result callbacks and
+// transaction control (see Apply).
+func validateWrites(writes *pgx.Batch) error {
+	if writes == nil {
+		return nil
+	}
+	for i, q := range writes.QueuedQueries {
+		arg := fmt.Sprintf("writes[%d]", i)
+		switch {
+		case q == nil:
+			return &dedup.ArgumentError{Arg: arg, Reason: "is nil"}
+		case q.Fn != nil:
+			return &dedup.ArgumentError{Arg: arg, Reason: "has a result callback, which could not stop the commit; queue it without one, or use RunInbox to read results"}
+		case controlsTx(q.SQL):
+			return &dedup.ArgumentError{Arg: arg, Reason: "controls the transaction (" + firstWord(q.SQL) + "); Apply commits the writes with the record itself"}
+		}
+	}
+	return nil
+}
+
+// controlsTx reports whether statement sql begins with a transaction
+// control keyword.
+func controlsTx(sql string) bool {
+	switch strings.ToUpper(firstWord(sql)) {
+	case "BEGIN", "START", "COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE":
+		return true
+	}
+	return false
+}
+
+// firstWord is the first word of sql, after blanks, comments and
+// parentheses.
+func firstWord(sql string) string {
+	for {
+		sql = strings.TrimLeft(sql, " \t\r\n(;")
+		switch {
+		case strings.HasPrefix(sql, "--"):
+			if i := strings.IndexByte(sql, '\n'); i >= 0 {
+				sql = sql[i+1:]
+				continue
+			}
+			return ""
+		case strings.HasPrefix(sql, "/*"):
+			if i := strings.Index(sql, "*/"); i >= 0 {
+				sql = sql[i+2:]
+				continue
+			}
+			return ""
+		}
+		end := strings.IndexFunc(sql, func(r rune) bool {
+			return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r == '_')
+		})
+		if end < 0 {
+			return sql
+		}
+		return sql[:end]
+	}
+}

@@ -1,0 +1,350 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/pgstore"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// writesFor queues the business writes of message id: one effect row,
+// then a running total that a CHECK keeps at most max.
+func writesFor(fx, id string, amount int) *pgx.Batch {
+	var b pgx.Batch
+	b.Queue(`INSERT INTO `+fx+` (msg_id) VALUES ($1)`, id)
+	b.Queue(`UPDATE `+fx+`_total SET total = total + $1`, amount)
+	return &b
+}
+
+// applyTables creates the effects table and a one-row total with a CHECK.
+func applyTables(t testing.TB, s *pgstore.Store) string {
+	t.Helper()
+	fx := business(t, s)
+	if _, err := s.Pool().Exec(context.Background(), `CREATE TABLE `+fx+`_total (total int NOT NULL CHECK (total <= 1000)); INSERT INTO `+fx+`_total VALUES (0)`); err != nil {
+		t.Fatal(err)
+	}
+	return fx
+}
+
+func total(t testing.TB, s *pgstore.Store, fx string) int {
+	t.Helper()
+	return queryInt(t, s.Pool(), `SELECT total FROM `+fx+`_total`)
+}
+
+func mustApply(t testing.TB, s *pgstore.Store, id string, fp dedup.Fingerprint, result []byte, w *pgx.Batch, want dedup.Outcome) dedup.Claim {
+	t.Helper()
+	c, err := s.Apply(context.Background(), key(id), fp, day, result, w)
+	if err != nil {
+		t.Fatalf("Apply(%s): %v", id, err)
+	}
+	if c.Outcome != want {
+		t.Fatalf("Apply(%s) = %v, want %v", id, c.Outcome, want)
+	}
+	return c
+}
+
+// TestApplyOnce: a new message's writes commit with its record; a
+// redelivery is a duplicate with the stored result and writes nothing;
+// another payload under the same key is a mismatch and writes nothing.
+func TestApplyOnce(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		c := mustApply(t, s, "m1", fpA, []byte("receipt-1"), writesFor(fx, "m1", 10), dedup.Acquired)
+		if string(c.Result) != "receipt-1" || c.Attempt != 1 || time.Until(c.ExpiresAt) < day-time.Hour || c.Token.IsZero() {
+			t.Fatalf("acquired claim %+v", c)
+		}
+		for range 3 {
+			d := mustApply(t, s, "m1", fpA, []byte("other"), writesFor(fx, "m1", 10), dedup.Duplicate)
+			if string(d.Result) != "receipt-1" {
+				t.Fatalf("duplicate result %q, want receipt-1", d.Result)
+			}
+		}
+		mustApply(t, s, "m1", fpB, nil, writesFor(fx, "m1", 10), dedup.Mismatch)
+		if n, tot := effects(t, s, fx, "m1"), total(t, s, fx); n != 1 || tot != 10 {
+			t.Fatalf("%d effects, total %d; want 1 and 10", n, tot)
+		}
+		// The record is the inbox's: RunInbox and Claim see it as done.
+		runInbox(t, s, "m1", apply(fx, "m1", nil), dedup.Duplicate)
+		mustClaim(t, s, "m1", fpA, time.Minute, dedup.Duplicate)
+		// No writes at all: the key alone is recorded.
+		mustApply(t, s, "m2", "", nil, nil, dedup.Acquired)
+		mustApply(t, s, "m2", fpA, nil, &pgx.Batch{}, dedup.Duplicate)
+	})
+}
+
+// TestApplyFailedWriteLeavesNothing: a write that fails (here the second,
+// on a CHECK) rolls back the record and the first write; the error is the
+// statement's, unchanged; the redelivery with a good payload applies.
+func TestApplyFailedWriteLeavesNothing(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		_, err := s.Apply(context.Background(), key("big"), fpA, day, nil, writesFor(fx, "big", 5000))
+		var pe *pgconn.PgError
+		if !errors.As(err, &pe) || pe.Code != "23514" || dedup.IsStoreError(err) {
+			t.Fatalf("Apply with a write that breaks a CHECK = %v; want the check violation, unchanged", err)
+		}
+		if n, r, tot := effects(t, s, fx, "big"), countRecords(t, s, "big"), total(t, s, fx); n != 0 || r != 0 || tot != 0 {
+			t.Fatalf("after the failed write: %d effects, %d records, total %d; want nothing", n, r, tot)
+		}
+		mustApply(t, s, "big", fpA, nil, writesFor(fx, "big", 500), dedup.Acquired)
+		if tot := total(t, s, fx); tot != 500 {
+			t.Fatalf("total %d after the redelivery, want 500", tot)
+		}
+	})
+}
+
+// TestApply64ConcurrentOneEffect: 64 goroutines apply one message at
+// once: exactly one commits its writes, every other sees a duplicate.
+func TestApply64ConcurrentOneEffect(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		got := map[dedup.Outcome]int{}
+		for range 64 {
+			wg.Go(func() {
+				c, err := s.Apply(context.Background(), key("hot"), fpA, day, []byte("r"), writesFor(fx, "hot", 1))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				got[c.Outcome]++
+				mu.Unlock()
+			})
+		}
+		wg.Wait()
+		if got[dedup.Acquired] != 1 || got[dedup.Duplicate] != 63 {
+			t.Fatalf("outcomes %v, want 1 acquired and 63 duplicates", got)
+		}
+		if n, tot := effects(t, s, fx, "hot"), total(t, s, fx); n != 1 || tot != 1 {
+			t.Fatalf("%d effects, total %d; want exactly one", n, tot)
+		}
+	})
+}
+
+// TestApplyWaitsForInboxTransaction: an Apply of a key that an open inbox
+// transaction holds waits for it, then sees a duplicate if it commits or
+// applies if it rolls back.
+func TestApplyWaitsForInboxTransaction(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		for _, commit := range []bool{true, false} {
+			s := openStore(t, m.opts...)
+			fx := applyTables(t, s)
+			ctx := context.Background()
+			holder, err := s.Pool().Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c, err := s.Inbox(ctx, holder, key("w"), fpA, day, apply(fx, "w", nil)); err != nil || c.Outcome != dedup.Acquired {
+				t.Fatalf("Inbox = %v, %v", c.Outcome, err)
+			}
+			done := make(chan dedup.Claim, 1)
+			go func() {
+				c, err := s.Apply(ctx, key("w"), fpA, day, nil, writesFor(fx, "w", 1))
+				if err != nil {
+					t.Error(err)
+				}
+				done <- c
+			}()
+			select {
+			case c := <-done:
+				t.Fatalf("Apply returned %v while the inbox transaction held the key", c.Outcome)
+			case <-time.After(200 * time.Millisecond):
+			}
+			want := dedup.Duplicate
+			if commit {
+				err = holder.Commit(ctx)
+			} else {
+				err, want = holder.Rollback(ctx), dedup.Acquired
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c := <-done; c.Outcome != want {
+				t.Fatalf("commit %v: Apply = %v, want %v", commit, c.Outcome, want)
+			}
+			if n := effects(t, s, fx, "w"); n != 1 {
+				t.Fatalf("commit %v: %d effects, want 1", commit, n)
+			}
+		}
+	})
+}
+
+// TestApplyLeaseRecords: a live lease-mode claim makes Apply report in
+// progress; once the lease has run out Apply takes the key over (attempt
+// 2) and the old owner's completion is fenced out; an expired completed
+// record is applied again from attempt 1.
+func TestApplyLeaseRecords(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		ctx := context.Background()
+		old := mustClaim(t, s, "l", fpA, 300*time.Millisecond, dedup.Acquired)
+		if c := mustApply(t, s, "l", fpA, nil, writesFor(fx, "l", 1), dedup.InProgress); c.LeaseUntil.IsZero() {
+			t.Fatal("in progress without the lease's end")
+		}
+		time.Sleep(400 * time.Millisecond)
+		if c := mustApply(t, s, "l", fpA, nil, writesFor(fx, "l", 1), dedup.Acquired); c.Attempt != 2 || !c.TakenOver {
+			t.Fatalf("take-over claim %+v, want attempt 2", c)
+		}
+		if err := s.Complete(ctx, old, nil, day); !errors.Is(err, dedup.ErrLeaseLost) {
+			t.Fatalf("the old owner's Complete = %v, want ErrLeaseLost", err)
+		}
+		e := mustClaim(t, s, "e", fpA, time.Minute, dedup.Acquired)
+		if err := s.Complete(ctx, e, nil, 100*time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(200 * time.Millisecond)
+		if c := mustApply(t, s, "e", fpB, nil, writesFor(fx, "e", 1), dedup.Acquired); c.Attempt != 1 {
+			t.Fatalf("claim over an expired record %+v, want attempt 1", c)
+		}
+		if n := effects(t, s, fx, "l") + effects(t, s, fx, "e"); n != 2 {
+			t.Fatalf("%d effects, want 2", n)
+		}
+	})
+}
+
+// TestApplyRefusesBadInput: bad keys, retention, callbacks and
+// transaction control fail before any I/O and write nothing.
+func TestApplyRefusesBadInput(t *testing.T) {
+	s := openStore(t)
+	fx := applyTables(t, s)
+	ctx := context.Background()
+	withCallback := writesFor(fx, "x", 1)
+	withCallback.Queue(`SELECT 1`).Exec(func(pgconn.CommandTag) error { return nil })
+	for name, tc := range map[string]struct {
+		key       dedup.Key
+		retention time.Duration
+		w         *pgx.Batch
+	}{
+		"empty id":           {dedup.Key{Scope: "s"}, day, writesFor(fx, "x", 1)},
+		"zero retention":     {key("x"), 0, writesFor(fx, "x", 1)},
+		"a result callback":  {key("x"), day, withCallback},
+		"COMMIT":             {key("x"), day, func() *pgx.Batch { b := writesFor(fx, "x", 1); b.Queue(" commit"); return b }()},
+		"BEGIN after a note": {key("x"), day, func() *pgx.Batch { var b pgx.Batch; b.Queue("/* x */ -- y\n BEGIN"); return &b }()},
+		"SAVEPOINT":          {key("x"), day, func() *pgx.Batch { var b pgx.Batch; b.Queue("savepoint a"); return &b }()},
+		"a nil query":        {key("x"), day, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{nil}}},
+	} {
+		if _, err := s.Apply(ctx, tc.key, fpA, tc.retention, nil, tc.w); !errors.Is(err, dedup.ErrInvalidArgument) {
+			t.Errorf("%s: Apply = %v, want ErrInvalidArgument", name, err)
+		}
+	}
+	if n, r := effects(t, s, fx, "x"), countRecords(t, s, "x"); n != 0 || r != 0 {
+		t.Fatalf("%d effects, %d records after refused calls", n, r)
+	}
+}
+
+// TestApplyCancelled: a context cancelled while a write waits on a lock
+// gives a store error wrapping the cancellation, and the record and the
+// writes are both absent (they commit together or not at all); the
+// redelivery applies.
+func TestApplyCancelled(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		bg := context.Background()
+		holder, err := testPool(t).Begin(bg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := holder.Exec(bg, `LOCK TABLE `+fx+` IN EXCLUSIVE MODE`); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(bg, 300*time.Millisecond)
+		defer cancel()
+		_, err = s.Apply(ctx, key("c"), fpA, day, nil, writesFor(fx, "c", 1))
+		if !errors.Is(err, context.DeadlineExceeded) && pgCode(err) != "57014" {
+			t.Fatalf("Apply cancelled mid-call = %v, want the cancellation", err)
+		}
+		if err := holder.Rollback(bg); err != nil {
+			t.Fatal(err)
+		}
+		if n, r, tot := effects(t, s, fx, "c"), countRecords(t, s, "c"), total(t, s, fx); n != 0 || r != 0 || tot != 0 {
+			t.Fatalf("after the cancelled call: %d effects, %d records, total %d", n, r, tot)
+		}
+		mustApply(t, s, "c", fpA, nil, writesFor(fx, "c", 1), dedup.Acquired)
+	})
+}
+
+// TestApplyKillBackend: the backend is terminated while the pipeline
+// waits on a lock: a store error, nothing committed, the redelivery
+// applies once.
+func TestApplyKillBackend(t *testing.T) {
+	s, pid := onePool(t, false)
+	fx := applyTables(t, s)
+	bg := context.Background()
+	holder, err := testPool(t).Begin(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(bg)
+	if _, err := holder.Exec(bg, `LOCK TABLE `+fx+` IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.Apply(bg, key("k"), fpA, day, nil, writesFor(fx, "k", 1))
+		done <- err
+	}()
+	watcher, err := pgstore.New(testPool(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitForLockWait(t, watcher, pid)
+	if _, err := testPool(t).Exec(bg, `SELECT pg_terminate_backend($1)`, pid); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !dedup.IsStoreError(err) {
+		t.Fatalf("Apply on a killed backend = %v, want a store error", err)
+	}
+	if err := holder.Rollback(bg); err != nil {
+		t.Fatal(err)
+	}
+	if n, r := effects(t, s, fx, "k"), countRecords(t, s, "k"); n != 0 || r != 0 {
+		t.Fatalf("after the kill: %d effects, %d records", n, r)
+	}
+	mustApply(t, s, "k", fpA, nil, writesFor(fx, "k", 1), dedup.Acquired)
+	mustApply(t, s, "k", fpA, nil, writesFor(fx, "k", 1), dedup.Duplicate)
+	if n := effects(t, s, fx, "k"); n != 1 {
+		t.Fatalf("%d effects, want 1", n)
+	}
+}
+
+// TestApplyPartitionedNeedsReadCommitted: on a server whose default
+// isolation is REPEATABLE READ, the partitioned store's Apply writes
+// nothing and says why.
+func TestApplyPartitionedNeedsReadCommitted(t *testing.T) {
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s := openStoreOn(t, pool, freshSchema(t, testPool(t)), modes[1].opts...)
+	fx := applyTables(t, s)
+	_, err = s.Apply(context.Background(), key("rr"), fpA, day, nil, writesFor(fx, "rr", 1))
+	if !dedup.IsStoreError(err) || !strings.Contains(fmt.Sprint(err), "READ COMMITTED") {
+		t.Fatalf("partitioned Apply under REPEATABLE READ = %v, want a store error naming READ COMMITTED", err)
+	}
+	if n := effects(t, s, fx, "rr"); n != 0 {
+		t.Fatalf("%d effects", n)
+	}
+}
