@@ -66,24 +66,34 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		return dedup.Claim{}, err
 	}
 	tok := dedup.NewToken()
+	// A new key takes one statement that fails on any existing record,
+	// the cheapest claim there is; a record found acquirable (expired, or
+	// an expired lease) is taken by the full claim.
+	stmt := s.sql.applyNew
+	if s.cfg.partition > 0 {
+		stmt = s.sql.pApply
+	}
 	for try := 1; ; try++ {
-		c, taken, err := s.applyOnce(ctx, key, fp, retention, &tok, result, writes)
+		c, taken, err := s.applyOnce(ctx, stmt, key, fp, retention, &tok, result, writes)
 		if err != nil || !taken {
 			return c, err
 		}
-		// Another record stopped the claim. Read it; if it has gone or
-		// become acquirable since (swept, released, expired), claim again.
+		// A record stopped the claim. Read it; if it is acquirable, or
+		// has gone since (swept, released), claim again.
 		var r row
 		var acq bool
 		err = s.pool.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)).Scan(append(r.dest(), &acq)...)
 		switch {
-		case errors.Is(err, pgx.ErrNoRows) || err == nil && acq:
+		case err != nil && !errors.Is(err, pgx.ErrNoRows):
+			return dedup.Claim{}, s.fail(ctx, "apply read", err, true) // the claim rolled back
+		case err != nil || acq:
 			if try == maxApplyTries {
-				return dedup.Claim{}, s.fail(ctx, "apply", fmt.Errorf("key %s was taken and freed again %d times in a row", key, try), true)
+				return dedup.Claim{}, s.fail(ctx, "apply", fmt.Errorf("key %s changed under %d claims in a row", key, try), true)
+			}
+			if err == nil && s.cfg.partition == 0 {
+				stmt = s.sql.apply
 			}
 			continue
-		case err != nil:
-			return dedup.Claim{}, s.fail(ctx, "apply read", err, true) // the claim rolled back
 		}
 		c, err = outcome(key, fp, nil, &r)
 		if err != nil {
@@ -93,31 +103,39 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	}
 }
 
-// maxApplyTries bounds Apply's claims of a key that keeps changing between
-// its claim and its read of the record.
-const maxApplyTries = 3
+// maxApplyTries bounds Apply's claims of one key: a new key takes one, an
+// acquirable record two; more means the record keeps changing between a
+// claim and the read of what stopped it.
+const maxApplyTries = 4
 
-// applyOnce sends Apply's pipeline once. taken says the claim found a
-// record it could not acquire, and nothing was applied.
-func (s *Store) applyOnce(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, taken bool, err error) {
+// applyOnce sends Apply's pipeline once, with the claim statement stmt.
+// taken says the claim found a record it could not acquire, and nothing
+// was applied.
+func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, taken bool, err error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return c, false, s.fail(ctx, "apply", err, true)
 	}
 	defer conn.Release() // the pool closes a connection left in a transaction
-	b := &pgx.Batch{}
-	if writes != nil {
-		b.QueuedQueries = make([]*pgx.QueuedQuery, 0, len(writes.QueuedQueries)+2)
+	// The claim fails by design on a duplicate, and pgx drops a failed
+	// batch's statements from its cache, to be prepared again on their
+	// next use. Prepared explicitly (once per connection; later calls do
+	// no I/O), the claim stays prepared.
+	if _, err := conn.Conn().Prepare(ctx, stmt, stmt); err != nil {
+		return c, false, s.fail(ctx, "apply prepare", err, true)
 	}
+	b := &pgx.Batch{}
 	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result}
 	if s.cfg.partition > 0 {
 		b.Queue(s.sql.lock, s.keyLock(key))
-		b.Queue(s.sql.pApply, args...)
-	} else {
-		b.Queue(s.sql.apply, args...)
 	}
+	b.Queue(stmt, args...)
 	if writes != nil {
-		b.QueuedQueries = append(b.QueuedQueries, writes.QueuedQueries...)
+		// New queued queries: pgx keeps a sent query's prepared statement
+		// on it, which a failed batch may have deallocated since.
+		for _, q := range writes.QueuedQueries {
+			b.Queue(q.SQL, q.Arguments...)
+		}
 	}
 	br := conn.SendBatch(ctx, b)
 	if s.cfg.partition > 0 {

@@ -348,3 +348,26 @@ func TestApplyPartitionedNeedsReadCommitted(t *testing.T) {
 		t.Fatalf("%d effects", n)
 	}
 }
+
+// TestApplyReusedBatch: one *pgx.Batch sent again after a call whose
+// pipeline failed (a duplicate, a failed write), as a caller retrying with
+// the same writes does, still runs: pgx forgets the prepared statements of
+// a failed batch, and Apply never sends a query object pgx has prepared.
+func TestApplyReusedBatch(t *testing.T) {
+	s := openStore(t)
+	fx := applyTables(t, s)
+	w := writesFor(fx, "same", 400)
+	mustApply(t, s, "r1", fpA, nil, w, dedup.Acquired)
+	mustApply(t, s, "r1", fpA, nil, w, dedup.Duplicate)
+	mustApply(t, s, "r2", fpA, nil, w, dedup.Acquired)
+	if _, err := s.Apply(context.Background(), key("r3"), fpA, day, nil, w); pgCode(err) != "23514" {
+		t.Fatalf("third apply of 400 = %v, want the CHECK violation", err)
+	}
+	if _, err := s.Pool().Exec(context.Background(), `UPDATE `+fx+`_total SET total = 0`); err != nil {
+		t.Fatal(err)
+	}
+	mustApply(t, s, "r3", fpA, nil, w, dedup.Acquired)
+	if n := effects(t, s, fx, "same"); n != 3 {
+		t.Fatalf("%d effects, want 3", n)
+	}
+}

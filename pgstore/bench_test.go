@@ -269,6 +269,14 @@ func interleave(b *testing.B, par, block int, cases []func(id string) error) []f
 //   - inbox-partitioned: RunInbox on the partitioned store.
 //   - inbox-caller-tx: Inbox in a transaction the caller begins and
 //     commits (4 round trips), as RunInbox did before it pipelined.
+//   - bare-pipelined: the business write alone in one pipeline, which
+//     PostgreSQL runs as an implicit transaction (1 round trip): the
+//     bare transaction written as Apply writes it.
+//   - apply, apply-partitioned: Apply with the same write queued (1 round
+//     trip).
+//
+// Besides each case's tx/s, it reports each case's time over bare's
+// (NAME-x-bare) and apply's over bare-pipelined's.
 func BenchmarkInbox(b *testing.B) {
 	s, raw := benchStore(b)
 	sp, _ := benchStore(b, pgstore.WithPartitions(24*time.Hour))
@@ -294,7 +302,16 @@ VALUES ($1, $2, 2, '\x01', now(), now() + interval '1 hour', 1) ON CONFLICT DO N
 			return err
 		}
 	}
-	names := []string{"bare", "floor", "floor-pipelined", "inbox", "inbox-with-result", "inbox-partitioned", "inbox-caller-tx", "inbox-case-upsert"}
+	applyWrite := func(st *pgstore.Store) func(id string) error {
+		return func(id string) error {
+			var w pgx.Batch
+			w.Queue(write(st), id)
+			_, err := st.Apply(ctx, dedup.Key{Scope: benchScope, ID: id}, fpA, time.Hour, nil, &w)
+			return err
+		}
+	}
+	names := []string{"bare", "floor", "floor-pipelined", "inbox", "inbox-with-result", "inbox-partitioned", "inbox-caller-tx", "inbox-case-upsert",
+		"bare-pipelined", "apply", "apply-partitioned"}
 	cases := []func(id string) error{
 		func(id string) error {
 			return pgx.BeginFunc(ctx, s.Pool(), func(tx pgx.Tx) error {
@@ -339,6 +356,13 @@ VALUES ($1, $2, 2, '\x01', now(), now() + interval '1 hour', 1) ON CONFLICT DO N
 			})
 		},
 		runInbox(sc, nil),
+		func(id string) error {
+			var w pgx.Batch
+			w.Queue(write(s), id)
+			return s.Pool().SendBatch(ctx, &w).Close()
+		},
+		applyWrite(s),
+		applyWrite(sp),
 	}
 	for _, par := range []int{1, 16} {
 		b.Run(fmt.Sprintf("goroutines=%d", par), func(b *testing.B) {
@@ -346,14 +370,11 @@ VALUES ($1, $2, 2, '\x01', now(), now() + interval '1 hour', 1) ON CONFLICT DO N
 			for i, name := range names {
 				b.ReportMetric(tps[i], name+"-tx/s")
 			}
-			b.ReportMetric(tps[0]/tps[3], "inbox-x-bare")
-			b.ReportMetric(tps[0]/tps[1], "floor-x-bare")
-			b.ReportMetric(tps[0]/tps[2], "floor-pipelined-x-bare")
+			for i, name := range names[1:] {
+				b.ReportMetric(tps[0]/tps[i+1], name+"-x-bare")
+			}
 			b.ReportMetric(tps[2]/tps[3], "inbox-x-floor-pipelined")
-			b.ReportMetric(tps[0]/tps[4], "inbox-with-result-x-bare")
-			b.ReportMetric(tps[0]/tps[5], "inbox-partitioned-x-bare")
-			b.ReportMetric(tps[0]/tps[6], "inbox-caller-tx-x-bare")
-			b.ReportMetric(tps[0]/tps[7], "inbox-case-upsert-x-bare")
+			b.ReportMetric(tps[8]/tps[9], "apply-x-bare-pipelined")
 		})
 	}
 }

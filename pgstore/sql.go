@@ -17,12 +17,13 @@ type statements struct {
 	// WHERE): it returns no row for a key it cannot take, whose row it
 	// still locks, and current then reads that row.
 	inboxFast, current string
-	// apply is inboxFast storing a result ($6) and failing, with
-	// applyCheck, unless it acquired; applyCurrent reads the record that
-	// stopped it and whether it has become acquirable since (see
-	// Store.Apply). pApply is apply on the partitioned table, after the
-	// key's lock.
-	apply, applyCurrent, pApply string
+	// Store.Apply's claims, which fail unless they acquire: applyNew
+	// inserts a new record storing a result ($6) and fails on any
+	// existing one; apply is inboxFast storing a result and failing, with
+	// applyCheck, when it cannot take the existing record; pApply is
+	// apply on the partitioned table, after the key's lock. applyCurrent
+	// reads the record that stopped them and whether it is acquirable.
+	applyNew, apply, pApply, applyCurrent string
 	// Partitioned table: run after the key's advisory lock (lock or
 	// lockMany) in the same transaction, in a later statement so that its
 	// snapshot sees every commit made before the lock was granted.
@@ -115,12 +116,17 @@ func upsertSet() string {
 
 const columns = `(scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)`
 
+// values is the row of columns that a one-key claim of kind k inserts.
+func values(k kind) string {
+	return `($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)`
+}
+
 // plainUpsert is the one statement of a claim or inbox step on the plain
 // table: $1 scope, $2 id, $3 token, $4 fingerprint, then the kind's
 // parameter ($5: lease or retention in microseconds).
 func plainUpsert(n *names, k kind) string {
 	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
-VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
+VALUES ` + values(k) + `
 ` + upsertSet() + `
 RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
 }
@@ -137,7 +143,7 @@ func plainAcquire(n *names, k kind) string {
 // plainAcquireReturning is plainAcquire returning the columns ret.
 func plainAcquireReturning(n *names, k kind, ret string) string {
 	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
-VALUES ($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)
+VALUES ` + values(k) + `
 ON CONFLICT (scope, id) DO UPDATE SET
 	state       = excluded.state,
 	token       = excluded.token,
@@ -246,9 +252,13 @@ func buildStatements(n *names, cfg *config) statements {
 		table = n.recordsP
 	}
 	st := statements{
-		claim:        plainUpsert(n, leaseKind("$5", grace)),
-		inbox:        plainUpsert(n, inboxKind(n, "$1::text", "$5")),
-		inboxFast:    plainAcquire(n, inboxKind(n, "$1::text", "$5")),
+		claim:     plainUpsert(n, leaseKind("$5", grace)),
+		inbox:     plainUpsert(n, inboxKind(n, "$1::text", "$5")),
+		inboxFast: plainAcquire(n, inboxKind(n, "$1::text", "$5")),
+		applyNew: `INSERT INTO ` + n.records + ` AS r ` + columns + `
+VALUES ` + values(applyKind(n, "$1::text")) + `
+ON CONFLICT (scope, id) DO UPDATE SET attempts = (` + sqlLiteral(applyTaken+": ") + ` || r.state)::int
+RETURNING r.attempts, r.lease_until, r.expires_at`,
 		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::text"), `r.attempts, r.lease_until, r.expires_at`) + `)` + applyCheck("c", false),
 		applyCurrent: `SELECT ` + returning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::text AND r.id = $2::text`,
 		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins", true),
