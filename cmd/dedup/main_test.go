@@ -42,7 +42,7 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"--broker", "kafka"}, []string{"--broker", "simulated or nats"}},
 		{[]string{"--nats-url", "nats://x:1"}, []string{"--nats-url", "--broker nats"}},
 		{[]string{"--store", "memory", "--addr", "127.0.0.1:1"}, []string{"--addr", "redis"}},
-		{[]string{"--mode", "magic"}, []string{"--mode", "inbox or lease"}},
+		{[]string{"--mode", "magic"}, []string{"--mode", "inbox, apply or lease"}},
 		{[]string{"--store", "memory", "--mode", "inbox"}, []string{"--mode inbox", "--store memory"}},
 		{[]string{"--store", "memory", "--path", "x.db"}, []string{"--path"}},
 		{[]string{"--lease", "0s"}, []string{"--lease"}},

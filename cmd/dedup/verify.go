@@ -47,6 +47,9 @@ row. A message with none is lost; one with two or more was applied twice.
 Modes:
   inbox  (sqlite, postgres) the ledger row is written inside the store's inbox
          transaction: the dedup record and the effect commit together.
+  apply  (postgres) the inbox in one round trip: the ledger insert is
+         queued and sent with the claim, and the database runs both as
+         one transaction (pgstore.Store.Apply).
   lease  (memory, or --store sqlite --mode lease) claim with a lease,
          append to an in-memory ledger, complete, ack. A crash while
          holding the claim is recovered when a redelivery takes over the
@@ -75,7 +78,7 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	d := verify.DefaultConfig()
 	f.cfg = d
 	fs.StringVar(&f.store, "store", "sqlite", "store to verify: "+strings.Join(verify.BackendNames(), ", "))
-	fs.StringVar(&f.mode, "mode", "", "inbox or lease (default: inbox for sqlite and postgres, lease for memory and redis)")
+	fs.StringVar(&f.mode, "mode", "", "inbox, apply (postgres) or lease (default: inbox for sqlite and postgres, lease for memory and redis)")
 	fs.StringVar(&f.path, "path", "", "SQLite database `file` to use and keep (default: a temporary file, removed at exit)")
 	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store: host:port, comma-separated for a Redis cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379), or a PostgreSQL connection string (default: $DEDUP_POSTGRES_URL or postgres://postgres@127.0.0.1:5432/test?sslmode=disable)")
 	fs.StringVar(&f.broker, "broker", "simulated", "broker to run the pipeline over: simulated (in process) or nats (a real JetStream server)")
@@ -145,7 +148,7 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 	if f.mode != "" {
 		m, ok := verify.ParseMode(f.mode)
 		if !ok {
-			return f, b, badUsage("--mode must be inbox or lease, got %q", f.mode)
+			return f, b, badUsage("--mode must be inbox, apply or lease, got %q", f.mode)
 		}
 		if !hasMode(b, m) {
 			return f, b, badUsage("--mode %s is not available for --store %s (it supports %s)", m, b.Name, joinModes(b.Modes))
@@ -340,6 +343,8 @@ func writeSummary(w io.Writer, r *verify.Report) {
 	switch r.Mode {
 	case verify.InboxMode:
 		fmt.Fprintln(w, "  (the ledger row and the dedup record commit in one transaction)")
+	case verify.ApplyMode:
+		fmt.Fprintln(w, "  (the ledger row and the dedup record commit in one transaction, sent in one round trip)")
 	case verify.LeaseMode:
 		fmt.Fprintln(w, "  (claim, effect, complete, ack; a crash between the effect and Complete is not injected)")
 	}
@@ -355,7 +360,7 @@ func writeSummary(w io.Writer, r *verify.Report) {
 		}
 	}
 	p("crashes", "%d before commit, %d after commit before ack", r.CrashesBeforeCommit, r.CrashesAfterCommit)
-	if r.Mode == verify.InboxMode {
+	if r.Mode.Transactional() {
 		p("takeovers", "%d  (no leases in inbox mode: the transaction is the lease)", r.Takeovers)
 	} else {
 		p("takeovers", "%d  (expired leases of crashed consumers)", r.Takeovers)

@@ -91,8 +91,8 @@ func Backends() []Backend {
 		{
 			Name: "postgres",
 			Summary: "the PostgreSQL store (pgstore) on $DEDUP_POSTGRES_URL or " + DefaultPostgresURL + ", or --addr (a connection string); " +
-				"inbox mode writes the ledger in the same database and transaction; each run works in a schema of its own, dropped at exit unless --keep",
-			Modes:    []Mode{InboxMode, LeaseMode},
+				"inbox and apply modes write the ledger in the same database and transaction; each run works in a schema of its own, dropped at exit unless --keep",
+			Modes:    []Mode{InboxMode, ApplyMode, LeaseMode},
 			UsesAddr: true,
 			Open:     openPostgres,
 		},
@@ -287,10 +287,10 @@ func PathOf(t Target) string {
 	return ""
 }
 
-// ParseMode returns the mode named s ("lease" or "inbox").
+// ParseMode returns the mode named s ("lease", "inbox" or "apply").
 func ParseMode(s string) (Mode, bool) {
 	switch m := Mode(strings.ToLower(s)); m {
-	case LeaseMode, InboxMode:
+	case LeaseMode, InboxMode, ApplyMode:
 		return m, true
 	}
 	return "", false

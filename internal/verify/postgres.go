@@ -62,10 +62,10 @@ func openPostgres(ctx context.Context, o OpenOptions) (Target, error) {
 	}
 	if err == nil {
 		switch o.Mode {
-		case InboxMode:
+		case InboxMode, ApplyMode:
 			t.ledger = pgx.Identifier{schema, "ledger"}.Sanitize()
 			_, err = pool.Exec(ctx, `CREATE TABLE `+t.ledger+` (msg_id text COLLATE "C" NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`)
-			t.Target = &pgInboxTarget{store: s, ledger: t.ledger}
+			t.Target = &pgInboxTarget{store: s, ledger: t.ledger, mode: o.Mode}
 		case LeaseMode:
 			t.Target, err = NewLease("postgres", s, o.Lease)
 		default:
@@ -119,22 +119,34 @@ func (t *pgTarget) drop() error {
 	return nil
 }
 
-// pgInboxTarget runs pgstore in inbox mode: the ledger row is inserted in
-// the inbox transaction, so the dedup record and the effect commit
-// together or not at all. Faults are injected as in [InboxTarget].
+// pgInboxTarget runs pgstore in inbox or apply mode: the ledger row is
+// inserted in the inbox transaction, so the dedup record and the effect
+// commit together or not at all. Faults are injected as in [InboxTarget];
+// in apply mode, where the handler only queues the ledger insert, a
+// handler failure happens before anything is sent, and a crash before the
+// commit is a statement after the insert that fails, so that the server
+// rolls the pipeline back as it does when the consumer dies mid-pipeline.
 type pgInboxTarget struct {
 	store  *pgstore.Store
 	ledger string
+	mode   Mode
 }
 
 // Store returns "postgres".
 func (t *pgInboxTarget) Store() string { return "postgres" }
 
-// Mode returns InboxMode.
-func (t *pgInboxTarget) Mode() Mode { return InboxMode }
+// Mode returns InboxMode or ApplyMode.
+func (t *pgInboxTarget) Mode() Mode { return t.mode }
+
+// errCrashSQL is the statement that stands for a consumer dying before its
+// pipeline commits.
+const errCrashSQL = `SELECT ('verify: consumer crashed before the commit: ' || pg_backend_pid())::int`
 
 // Apply runs one delivery through the store's inbox.
 func (t *pgInboxTarget) Apply(ctx context.Context, d Delivery) Result {
+	if t.mode == ApplyMode {
+		return t.pipelined(ctx, d)
+	}
 	c, err := t.store.RunInbox(ctx, d.Key, d.Fingerprint, retention, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		if d.Fault == HandlerFailure {
 			return nil, errHandler
@@ -147,6 +159,28 @@ func (t *pgInboxTarget) Apply(ctx context.Context, d Delivery) Result {
 		}
 		return nil, nil
 	})
+	return inboxResult(c, err, d)
+}
+
+// pipelined runs one delivery through Store.Apply.
+func (t *pgInboxTarget) pipelined(ctx context.Context, d Delivery) Result {
+	if d.Fault == HandlerFailure {
+		return inboxResult(dedup.Claim{}, errHandler, d)
+	}
+	var w pgx.Batch
+	w.Queue(`INSERT INTO `+t.ledger+` (msg_id) VALUES ($1)`, d.MsgID)
+	if d.Fault == CrashBeforeCommit {
+		w.Queue(errCrashSQL)
+	}
+	c, err := t.store.Apply(ctx, d.Key, d.Fingerprint, retention, nil, &w)
+	if d.Fault == CrashBeforeCommit && err != nil && strings.Contains(err.Error(), "verify: consumer crashed") {
+		err = errCrash
+	}
+	return inboxResult(c, err, d)
+}
+
+// inboxResult is the Result of an inbox call that returned c and err.
+func inboxResult(c dedup.Claim, err error, d Delivery) Result {
 	r := Result{TakenOver: c.TakenOver}
 	switch {
 	case errors.Is(err, errCrash):

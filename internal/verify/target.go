@@ -20,7 +20,15 @@ const (
 	// InboxMode inserts the dedup record and applies the effect in one SQL
 	// transaction, so both commit or neither does.
 	InboxMode Mode = "inbox"
+	// ApplyMode is InboxMode in one round trip: the effect's statement is
+	// queued and sent with the dedup record's claim in one pipeline that
+	// the database runs as one transaction (pgstore.Store.Apply).
+	ApplyMode Mode = "apply"
 )
+
+// Transactional reports whether m commits the dedup record and the effect
+// in one transaction, with no lease.
+func (m Mode) Transactional() bool { return m == InboxMode || m == ApplyMode }
 
 // Fault is what the broker makes go wrong with one delivery.
 type Fault uint8
