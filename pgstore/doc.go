@@ -114,6 +114,15 @@
 // delivery takes over the expired lease of a crashed lease-mode owner and
 // reports a live one as in progress.
 //
+// [Store.Apply] is the inbox for writes known before they run: the claim
+// and the caller's queued statements go in one pipeline that PostgreSQL
+// runs as one implicit transaction. The claim fails unless it acquires,
+// which makes the server skip the writes and roll everything back; Apply
+// then reads the record and reports the duplicate. A new message costs
+// one round trip against the bare transaction's three, which puts Apply
+// within 1.04-1.12x of the bare transaction's time in the same
+// benchmark (1.4-1.8x of the same write sent alone in one pipeline).
+//
 // # Schema
 //
 // [Store.Migrate] (or `dedup migrate`) applies the versioned SQL embedded
