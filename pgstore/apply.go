@@ -17,10 +17,12 @@ import (
 // dedup record (completed at once, with result, kept for retention or the
 // scope's window if longer) and the writes commit together or not at all.
 //
-// The claim is the statement RunInbox uses on a new key, made to fail when
-// it does not acquire: the server then skips the writes and rolls the
-// whole pipeline back, and Apply reads the record that stopped it in a
-// second round trip and returns Duplicate (with the stored result),
+// The claim fails when it does not acquire (for a new key it is one INSERT
+// that fails on any existing record; a record found acquirable, expired or
+// under an expired lease, is then taken by RunInbox's claim made to fail
+// likewise): the server then skips the writes and rolls the whole pipeline
+// back, and Apply reads the record that stopped it in a second round trip
+// and returns Duplicate (with the stored result),
 // InProgress (a [Store.Claim] owner holds a live lease) or Mismatch, with a
 // nil error. A concurrent Apply or inbox transaction with the same key
 // makes the claim wait until it ends, then see a duplicate if it committed
@@ -117,19 +119,23 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		return c, false, s.fail(ctx, "apply", err, true)
 	}
 	defer conn.Release() // the pool closes a connection left in a transaction
-	// The claim fails by design on a duplicate, and pgx drops a failed
-	// batch's statements from its cache, to be prepared again on their
-	// next use. Prepared explicitly (once per connection; later calls do
-	// no I/O), the claim stays prepared.
-	if _, err := conn.Conn().Prepare(ctx, stmt, stmt); err != nil {
-		return c, false, s.fail(ctx, "apply prepare", err, true)
-	}
 	b := &pgx.Batch{}
-	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result}
 	if s.cfg.partition > 0 {
 		b.Queue(s.sql.lock, s.keyLock(key))
 	}
-	b.Queue(stmt, args...)
+	b.Queue(stmt, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result)
+	// The claim fails by design on a duplicate, and pgx drops a failed
+	// batch's statements from its statement cache, to be prepared again on
+	// their next use. Prepared explicitly (once per connection; later calls
+	// do no I/O), the store's statements stay prepared. Only in pgx's
+	// default mode: a pool set up for a transaction pooler prepares nothing.
+	if conn.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+		for _, q := range b.QueuedQueries {
+			if _, err := conn.Conn().Prepare(ctx, q.SQL, q.SQL); err != nil {
+				return c, false, s.fail(ctx, "apply prepare", err, true)
+			}
+		}
+	}
 	if writes != nil {
 		// New queued queries: pgx keeps a sent query's prepared statement
 		// on it, which a failed batch may have deallocated since.
