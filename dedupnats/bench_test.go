@@ -35,8 +35,7 @@ import (
 //   - memstore-batch, redis-batch, postgres-batch: the same with
 //     WithBatchProcessing (one worker whatever N; ProcessBatch over the
 //     messages queued, up to half the batch: one batch claim, one batch
-//     complete). pgstore has no CompleteBatch: its completes fall back to
-//     one Complete per message.
+//     complete).
 //   - redis-floor1, redis-floor2: what any Redis dedup costs at least, in
 //     the same batch mode with the processor replaced: one pipeline per
 //     batch of plain SET NX PX of each message ID, then the acks (floor1:
