@@ -36,6 +36,20 @@ func applyTables(t testing.TB, s *pgstore.Store) string {
 	return fx
 }
 
+// lockTable begins a transaction that locks table against writes until it
+// ends.
+func lockTable(t testing.TB, table string) pgx.Tx {
+	t.Helper()
+	tx, err := testPool(t).Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(context.Background(), `LOCK TABLE `+table+` IN EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
 func total(t testing.TB, s *pgstore.Store, fx string) int {
 	t.Helper()
 	return queryInt(t, s.Pool(), `SELECT total FROM `+fx+`_total`)
@@ -257,16 +271,10 @@ func TestApplyCancelled(t *testing.T) {
 		s := openStore(t, m.opts...)
 		fx := applyTables(t, s)
 		bg := context.Background()
-		holder, err := testPool(t).Begin(bg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := holder.Exec(bg, `LOCK TABLE `+fx+` IN EXCLUSIVE MODE`); err != nil {
-			t.Fatal(err)
-		}
+		holder := lockTable(t, fx)
 		ctx, cancel := context.WithTimeout(bg, 300*time.Millisecond)
 		defer cancel()
-		_, err = s.Apply(ctx, key("c"), fpA, day, nil, writesFor(fx, "c", 1))
+		_, err := s.Apply(ctx, key("c"), fpA, day, nil, writesFor(fx, "c", 1))
 		if !errors.Is(err, context.DeadlineExceeded) && pgCode(err) != "57014" {
 			t.Fatalf("Apply cancelled mid-call = %v, want the cancellation", err)
 		}
@@ -287,14 +295,8 @@ func TestApplyKillBackend(t *testing.T) {
 	s, pid := onePool(t, false)
 	fx := applyTables(t, s)
 	bg := context.Background()
-	holder, err := testPool(t).Begin(bg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	holder := lockTable(t, fx)
 	defer holder.Rollback(bg)
-	if _, err := holder.Exec(bg, `LOCK TABLE `+fx+` IN EXCLUSIVE MODE`); err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan error, 1)
 	go func() {
 		_, err := s.Apply(bg, key("k"), fpA, day, nil, writesFor(fx, "k", 1))

@@ -152,26 +152,8 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	if len(reqs) == 0 {
 		return out, nil
 	}
-	// first[i] is the index in reqs of the first request with the key of
-	// reqs[i]; order lists the first requests sorted by key.
-	first := make([]int, len(reqs))
-	seen := make(map[dedup.Key]int, len(reqs))
-	order := make([]int, 0, len(reqs))
-	for i, r := range reqs {
-		if j, ok := seen[r.Key]; ok {
-			first[i] = j
-			continue
-		}
-		seen[r.Key] = i
-		first[i] = i
-		order = append(order, i)
-	}
-	slices.SortFunc(order, func(a, b int) int {
-		if c := strings.Compare(reqs[a].Key.Scope, reqs[b].Key.Scope); c != 0 {
-			return c
-		}
-		return strings.Compare(reqs[a].Key.ID, reqs[b].Key.ID)
-	})
+	keyOf := func(i int) dedup.Key { return reqs[i].Key }
+	first, order, seen := distinct(len(reqs), keyOf, keyOf)
 	n := len(order)
 	scopes, ids := make([]string, n), make([]string, n)
 	tokens, fps := make([][]byte, n), make([][]byte, n)
@@ -239,6 +221,32 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		}
 	}
 	return out, nil
+}
+
+// distinct finds the first occurrence of each of n items by id: first[i]
+// is the index of the first item with the id of item i, seen maps each id
+// to its first item, and order lists the first items sorted by key, so
+// that two batches with keys in common lock them in the same order and
+// cannot deadlock each other.
+func distinct[T comparable](n int, id func(i int) T, key func(i int) dedup.Key) (first, order []int, seen map[T]int) {
+	first, order, seen = make([]int, n), make([]int, 0, n), make(map[T]int, n)
+	for i := range n {
+		k := id(i)
+		if j, ok := seen[k]; ok {
+			first[i] = j
+			continue
+		}
+		seen[k], first[i] = i, i
+		order = append(order, i)
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		ka, kb := key(a), key(b)
+		if c := strings.Compare(ka.Scope, kb.Scope); c != 0 {
+			return c
+		}
+		return strings.Compare(ka.ID, kb.ID)
+	})
+	return first, order, seen
 }
 
 // partitionedBatch locks the keys of a batch (sorted, distinct lock keys)
@@ -320,29 +328,9 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 		key dedup.Key
 		tok dedup.Token
 	}
-	// first[i] is the index of the first item equal to items[i]; order
-	// lists the first items sorted by key.
-	first := make([]int, len(items))
-	seen := make(map[item]int, len(items))
-	order := make([]int, 0, len(items))
-	for i := range items {
-		c := &items[i].Claim
-		k := item{c.Key, c.Token}
-		if j, ok := seen[k]; ok {
-			first[i] = j
-			continue
-		}
-		seen[k] = i
-		first[i] = i
-		order = append(order, i)
-	}
-	slices.SortFunc(order, func(a, b int) int {
-		ka, kb := items[a].Claim.Key, items[b].Claim.Key
-		if c := strings.Compare(ka.Scope, kb.Scope); c != 0 {
-			return c
-		}
-		return strings.Compare(ka.ID, kb.ID)
-	})
+	first, order, _ := distinct(len(items),
+		func(i int) item { return item{items[i].Claim.Key, items[i].Claim.Token} },
+		func(i int) dedup.Key { return items[i].Claim.Key })
 	n := len(order)
 	scopes, ids := make([]string, n), make([]string, n)
 	tokens, results := make([][]byte, n), make([][]byte, n)
