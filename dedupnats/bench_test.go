@@ -17,6 +17,7 @@ import (
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/dedupkit/dedup/redisstore"
 	"github.com/dedupkit/dedup/sqlitestore"
+	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/rueidis"
@@ -36,6 +37,8 @@ import (
 //     WithBatchProcessing (one worker whatever N; ProcessBatch over the
 //     messages queued, up to half the batch: one batch claim, one batch
 //     complete).
+//   - postgres-apply: pgstore.Store.Apply through consumer.NewApply, the
+//     inbox in one round trip, recording the key with no write of its own.
 //   - redis-floor1, redis-floor2: what any Redis dedup costs at least, in
 //     the same batch mode with the processor replaced: one pipeline per
 //     batch of plain SET NX PX of each message ID, then the acks (floor1:
@@ -124,12 +127,14 @@ func benchConsume(b *testing.B, batch, conc int) {
 			return s
 		}},
 	}
-	run := func(name string, open func(b *testing.B) dedup.Store, opts ...ConsumerOption) {
+	// runWith runs the adapter with the processor mk makes, observing
+	// with obs.
+	runWith := func(name string, mk func(b *testing.B, obs consumer.Option) *consumer.Processor, opts ...ConsumerOption) {
 		b.Run(name, func(b *testing.B) {
 			_, js := connect(b)
 			stream := benchStream(b, js)
 			var done atomic.Int64
-			p := benchProcessor(b, "bench", open(b), consumer.WithObserver(func(m *consumer.Message, d consumer.Decision) {
+			p := mk(b, consumer.WithObserver(func(m *consumer.Message, d consumer.Decision) {
 				if d.Action == consumer.Ack {
 					done.Add(1)
 				}
@@ -145,9 +150,27 @@ func benchConsume(b *testing.B, batch, conc int) {
 			report(b, elapsed)
 		})
 	}
+	run := func(name string, open func(b *testing.B) dedup.Store, opts ...ConsumerOption) {
+		runWith(name, func(b *testing.B, obs consumer.Option) *consumer.Processor {
+			return benchProcessor(b, "bench", open(b), obs)
+		}, opts...)
+	}
 	for _, st := range stores {
 		run(st.name, st.open, WithConcurrency(conc))
 	}
+	// postgres-apply: the inbox in one round trip (pgstore.Apply through
+	// consumer.NewApply), recording the key with no business write, like
+	// the no-op handler of the other rows.
+	runWith("postgres-apply", func(b *testing.B, obs consumer.Option) *consumer.Processor {
+		s := stores[3].open(b).(*pgstore.Store)
+		p, err := consumer.NewApply("bench", s, func(context.Context, *consumer.Message, consumer.Delivery) (*pgx.Batch, []byte, error) {
+			return nil, nil, nil
+		}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(time.Hour), obs)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return p
+	}, WithConcurrency(conc))
 	// WithBatchProcessing: one worker, batches of up to half the batch,
 	// one batch claim and one batch complete each.
 	for _, st := range stores {
