@@ -175,3 +175,28 @@ func TestNewApplyBadArguments(t *testing.T) {
 		t.Fatal("nil handler accepted")
 	}
 }
+
+// TestApplyProcessorBadWriteIsDeadLettered: a write the server cannot
+// prepare is the handler's failure, counted and bounded, so the message
+// ends dead-lettered instead of being retried forever as a store outage.
+func TestApplyProcessorBadWriteIsDeadLettered(t *testing.T) {
+	s, _ := openApply(t)
+	dlq := &consumer.MemoryDLQ{}
+	p, err := consumer.NewApply("ledger", s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) (*pgx.Batch, []byte, error) {
+		var w pgx.Batch
+		w.Queue(`INSERT INTO no_such_ledger VALUES ($1)`, m.ID)
+		return &w, nil, nil
+	}, consumer.WithDeadLetter(dlq), consumer.WithLimits(consumer.Limits{Unclassified: 3}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		if d := p.Process(context.Background(), msg("typo")); d.Action != consumer.Retry || d.Attempt != i+1 {
+			t.Fatalf("delivery %d: %+v, want a counted retry", i+1, d)
+		}
+	}
+	want(t, p.Process(context.Background(), msg("typo")), consumer.DeadLettered)
+	if st := p.Stats(); st.StoreErrors != 0 || st.DeadLettered != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}

@@ -49,8 +49,9 @@ import (
 // the connection broke after the pipeline was sent the outcome is unknown,
 // and the redelivery finds out which, since the record and the writes
 // commit together); any other error is a statement of writes failing (a
-// [*pgconn.PgError] such as a constraint violation), returned unchanged,
-// and nothing was applied. A Claim with Outcome Acquired means the
+// [*pgconn.PgError] such as a constraint violation, or a
+// [pgx.ErrPreprocessingBatch] for a write the server could not prepare or
+// pgx could not encode), returned unchanged, and nothing was applied. A Claim with Outcome Acquired means the
 // pipeline committed.
 //
 // The implicit transaction runs at the server's default isolation
@@ -158,6 +159,8 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 			return c, true, nil
 		case checkFailed(err, applyIsolation):
 			return c, false, s.fail(ctx, "apply", errNotReadCommitted, true)
+		case writeRefused(err, stmt, s.sql.lock):
+			return c, false, err
 		}
 		return c, false, s.failAuto(ctx, "apply", err)
 	}
@@ -182,6 +185,27 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		c.Result = result
 	}
 	return c, false, nil
+}
+
+// writeRefused reports whether err says that one of the caller's writes
+// (not one of the store's statements) was refused before anything ran:
+// the server could not prepare it (an ERROR: a syntax error, a missing
+// table), or pgx could not encode one of its arguments (pgx then closes
+// the connection, with nothing committed). The writes are at fault, not
+// the store, and a retry as a store failure would only fail again. A
+// connection that broke while preparing (FATAL, or I/O) is the store's.
+func writeRefused(err error, store ...string) bool {
+	var pre pgx.ErrPreprocessingBatch
+	if !errors.As(err, &pre) {
+		return false
+	}
+	for _, q := range store {
+		if pre.SQL() == q {
+			return false
+		}
+	}
+	// pgx names the step only in the message; TestApplyBadWrite checks it.
+	return statementFailed(err) || strings.HasPrefix(pre.Error(), "error preprocessing batch (build)")
 }
 
 // validateWrites refuses what Apply cannot run: result callbacks and

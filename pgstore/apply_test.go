@@ -373,3 +373,35 @@ func TestApplyReusedBatch(t *testing.T) {
 		t.Fatalf("%d effects, want 3", n)
 	}
 }
+
+// TestApplyBadWrite: a write the server cannot prepare, or whose argument
+// pgx cannot encode, fails as the write's error (not as a store failure,
+// which a consumer would retry forever), and nothing is recorded.
+func TestApplyBadWrite(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		for name, w := range map[string]func() *pgx.Batch{
+			"a syntax error": func() *pgx.Batch { b := writesFor(fx, "w", 1); b.Queue(`INSERT INTO nowhere VALUES (`); return b },
+			"a missing table": func() *pgx.Batch {
+				b := writesFor(fx, "w", 1)
+				b.Queue(`INSERT INTO no_such_table VALUES (1)`)
+				return b
+			},
+			"an unencodable argument": func() *pgx.Batch {
+				var b pgx.Batch
+				b.Queue(`INSERT INTO `+fx+` (msg_id) VALUES ($1)`, make(chan int))
+				return &b
+			},
+		} {
+			_, err := s.Apply(context.Background(), key("w"), fpA, day, nil, w())
+			if err == nil || dedup.IsStoreError(err) {
+				t.Errorf("%s: Apply = %v, want the write's error, not a store error", name, err)
+			}
+			if n, r := effects(t, s, fx, "w"), countRecords(t, s, "w"); n != 0 || r != 0 {
+				t.Fatalf("%s: %d effects, %d records", name, n, r)
+			}
+		}
+		mustApply(t, s, "w", fpA, nil, writesFor(fx, "w", 1), dedup.Acquired)
+	})
+}
