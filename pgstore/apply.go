@@ -231,12 +231,16 @@ func validateWrites(writes *pgx.Batch) error {
 // controlsTx reports whether statement sql begins with a transaction
 // control keyword.
 func controlsTx(sql string) bool {
-	switch strings.ToUpper(firstWord(sql)) {
-	case "BEGIN", "START", "COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE":
-		return true
+	w := firstWord(sql)
+	for _, k := range txControl {
+		if strings.EqualFold(w, k) {
+			return true
+		}
 	}
 	return false
 }
+
+var txControl = []string{"BEGIN", "START", "COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE"}
 
 // firstWord is the first word of sql, after blanks, comments and
 // parentheses.
