@@ -9,11 +9,12 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Apply is the transactional inbox in one round trip, for a message whose
 // writes are known before they run: it claims key and runs writes in one
-// pipeline that PostgreSQL executes as one implicit transaction, so the
+// pipeline that PostgreSQL executes as one transaction, so the
 // dedup record (completed at once, with result, kept for retention or the
 // scope's window if longer) and the writes commit together or not at all.
 //
@@ -54,10 +55,15 @@ import (
 // pgx could not encode), returned unchanged, and nothing was applied. A Claim with Outcome Acquired means the
 // pipeline committed.
 //
-// The implicit transaction runs at the server's default isolation
-// (default_transaction_isolation; PostgreSQL's own default is READ
-// COMMITTED). The partitioned store needs READ COMMITTED and reports a
-// [*dedup.StoreError] otherwise, having written nothing.
+// The pipeline is one transaction block, BEGIN ISOLATION LEVEL READ
+// COMMITTED ... COMMIT, as RunInbox's transaction is: inside it a write
+// cannot commit part of the pipeline (a procedure or DO block that
+// commits, or VACUUM, fails instead, and nothing is applied). A failure of
+// the server's rather than of a write (a serialization failure or
+// deadlock, a lock or statement timeout, a cancel, lack of resources) is
+// a [*dedup.StoreError] with NotApplied, to be retried. The pool must use
+// the extended protocol (any pgx.QueryExecMode but the simple protocol,
+// which sends a batch as one multi-statement string).
 func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, result []byte, writes *pgx.Batch) (dedup.Claim, error) {
 	if err := validateInbox(key, fp, retention, false); err != nil {
 		return dedup.Claim{}, err
@@ -68,6 +74,9 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := s.begin(ctx, "apply"); err != nil {
 		return dedup.Claim{}, err
 	}
+	if s.pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeSimpleProtocol {
+		return dedup.Claim{}, &dedup.ArgumentError{Arg: "pool", Reason: "uses the simple protocol, which sends a batch as one multi-statement string; Apply needs the extended protocol (any other pgx.QueryExecMode), or use RunInbox"}
+	}
 	tok := dedup.NewToken()
 	// A new key takes one statement that fails on any existing record,
 	// the cheapest claim there is; a record found acquirable (expired, or
@@ -77,28 +86,22 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		stmt = s.sql.pApply
 	}
 	for try := 1; ; try++ {
-		c, taken, err := s.applyOnce(ctx, stmt, key, fp, retention, &tok, result, writes)
-		if err != nil || !taken {
+		c, cur, err := s.applyOnce(ctx, stmt, key, fp, retention, &tok, result, writes)
+		if err != nil || cur == nil {
 			return c, err
 		}
-		// A record stopped the claim. Read it; if it is acquirable, or
-		// has gone since (swept, released), claim again.
-		var r row
-		var acq bool
-		err = s.pool.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)).Scan(append(r.dest(), &acq)...)
-		switch {
-		case err != nil && !errors.Is(err, pgx.ErrNoRows):
-			return dedup.Claim{}, s.fail(ctx, "apply read", err, true) // the claim rolled back
-		case err != nil || acq:
+		// A record stopped the claim. If it is acquirable, or has gone
+		// since (swept, released), claim again.
+		if !cur.found || cur.acq {
 			if try == maxApplyTries {
 				return dedup.Claim{}, s.fail(ctx, "apply", fmt.Errorf("key %s changed under %d claims in a row", key, try), true)
 			}
-			if err == nil && s.cfg.partition == 0 {
+			if cur.found && s.cfg.partition == 0 {
 				stmt = s.sql.apply
 			}
 			continue
 		}
-		c, err = outcome(key, fp, nil, &r)
+		c, err = outcome(key, fp, nil, &cur.r)
 		if err != nil {
 			return dedup.Claim{}, s.fail(ctx, "apply read", err, true)
 		}
@@ -111,41 +114,82 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 // claim and the read of what stopped it.
 const maxApplyTries = 4
 
-// applyOnce sends Apply's pipeline once, with the claim statement stmt.
-// taken says the claim found a record it could not acquire, and nothing
-// was applied.
-func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, taken bool, err error) {
+// current is the record that stopped one of Apply's claims, read after
+// the claim rolled back: found, and acquirable now.
+type current struct {
+	r          row
+	found, acq bool
+}
+
+// Statements of Apply's transaction block.
+const (
+	beginRC     = "begin isolation level read committed"
+	commitSQL   = "commit"
+	rollbackSQL = "rollback"
+)
+
+// applyOnce sends Apply's pipeline once, with the claim statement stmt:
+// BEGIN, the claim, the writes, COMMIT. The explicit transaction block is
+// what keeps a write from committing part of the pipeline: inside it, a
+// procedure or DO block that commits, or a statement that cannot run in a
+// transaction (VACUUM), fails instead. When the claim found a record it
+// could not acquire, nothing was applied, and cur is that record, read in
+// the round trip of the ROLLBACK.
+func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, cur *current, err error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return c, false, s.fail(ctx, "apply", err, true)
+		return c, nil, s.fail(ctx, "apply", err, true)
 	}
-	defer conn.Release() // the pool closes a connection left in a transaction
-	b := &pgx.Batch{}
+	defer func() {
+		// After a failure the block is aborted (or its state unknown):
+		// roll it back so that the connection goes back idle; if that
+		// fails, the pool closes the connection.
+		if conn.Conn().PgConn().TxStatus() != 'I' && !conn.Conn().IsClosed() {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+			_, _ = conn.Exec(rctx, rollbackSQL)
+			cancel()
+		}
+		conn.Release()
+	}()
+	n := 3
+	if writes != nil {
+		n += len(writes.QueuedQueries)
+	}
+	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, n+1)}
+	b.Queue(beginRC)
 	if s.cfg.partition > 0 {
 		b.Queue(s.sql.lock, s.keyLock(key))
 	}
 	b.Queue(stmt, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result)
+	b.Queue(commitSQL)
 	// The claim fails by design on a duplicate, and pgx drops a failed
 	// batch's statements from its statement cache, to be prepared again on
 	// their next use. Prepared explicitly (once per connection; later calls
 	// do no I/O), the store's statements stay prepared. Only in pgx's
 	// default mode: a pool set up for a transaction pooler prepares nothing.
-	if conn.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
-		for _, q := range b.QueuedQueries {
+	// So are the ROLLBACK and the read of a duplicate, which must not be
+	// prepared while the block is aborted.
+	if cached(conn.Conn()) {
+		for _, q := range append(b.QueuedQueries, &pgx.QueuedQuery{SQL: rollbackSQL}, &pgx.QueuedQuery{SQL: s.sql.applyCurrent}) {
 			if _, err := conn.Conn().Prepare(ctx, q.SQL, q.SQL); err != nil {
-				return c, false, s.fail(ctx, "apply prepare", err, true)
+				return c, nil, s.fail(ctx, "apply prepare", err, true)
 			}
 		}
 	}
 	if writes != nil {
-		// New queued queries: pgx keeps a sent query's prepared statement
-		// on it, which a failed batch may have deallocated since.
+		// The writes go between the claim and the COMMIT, as new queued
+		// queries: pgx keeps a sent query's prepared statement on it,
+		// which a failed batch may have deallocated since.
+		last := b.QueuedQueries[len(b.QueuedQueries)-1]
+		b.QueuedQueries = b.QueuedQueries[:len(b.QueuedQueries)-1]
 		for _, q := range writes.QueuedQueries {
 			b.Queue(q.SQL, q.Arguments...)
 		}
+		b.QueuedQueries = append(b.QueuedQueries, last)
 	}
 	br := conn.SendBatch(ctx, b)
-	if s.cfg.partition > 0 {
+	_, err = br.Exec() // BEGIN
+	if err == nil && s.cfg.partition > 0 {
 		_, err = br.Exec()
 	}
 	var r row
@@ -156,35 +200,97 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		br.Close()
 		switch {
 		case checkFailed(err, applyTaken):
-			return c, true, nil
-		case checkFailed(err, applyIsolation):
-			return c, false, s.fail(ctx, "apply", errNotReadCommitted, true)
-		case writeRefused(err, stmt, s.sql.lock):
-			return c, false, err
+			cur, err := s.readTaken(ctx, conn.Conn(), key, fp)
+			return c, cur, err
+		case writeRefused(err, stmt, s.sql.lock, beginRC, commitSQL):
+			return c, nil, err
 		}
-		return c, false, s.failAuto(ctx, "apply", err)
+		return c, nil, s.fail(ctx, "apply", err, notCommitted(err))
 	}
-	// The writes' results, then the commit at the pipeline's end.
+	// The writes' results, then the COMMIT's.
 	if err := br.Close(); err != nil {
-		if statementFailed(err) {
-			return c, false, err // a write failed: the implicit transaction rolled back
+		if statementFailed(err) && !serverCondition(err) {
+			return c, nil, err // a write failed: the block rolls back
 		}
-		return c, false, s.fail(ctx, "apply", err, false)
+		return c, nil, s.fail(ctx, "apply", err, notCommitted(err))
 	}
 	if st := conn.Conn().PgConn().TxStatus(); st != 'I' {
-		// A write opened a transaction block that the pipeline's end did
-		// not commit; releasing the connection closes it, rolling back.
-		return c, false, s.fail(ctx, "apply", fmt.Errorf("the writes left the connection inside a transaction (status %q): nothing was committed", st), true)
+		return c, nil, s.fail(ctx, "apply", fmt.Errorf("the pipeline ended inside a transaction (status %q): nothing was committed", st), true)
 	}
 	r.state, r.token, r.fingerprint, r.result = stateCompleted, tok[:], fpBytes(fp), result
 	c, err = outcome(key, fp, tok, &r)
 	if err != nil {
-		return c, false, s.fail(ctx, "apply", err, false)
+		return c, nil, s.fail(ctx, "apply", err, false)
 	}
 	if len(result) > 0 {
 		c.Result = result
 	}
-	return c, false, nil
+	return c, nil, nil
+}
+
+// cached reports whether conn runs in pgx's default mode, where Apply
+// prepares its statements by name.
+func cached(conn *pgx.Conn) bool {
+	return conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
+}
+
+// readTaken rolls back the aborted block of a claim that found key taken
+// and reads the record, in one round trip on conn (two in a mode where
+// pgx describes a statement before it runs it, which an aborted block
+// refuses).
+func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, key dedup.Key, fp dedup.Fingerprint) (*current, error) {
+	var cur current
+	read := func(row pgx.Row) error {
+		err := row.Scan(append(cur.r.dest(), &cur.acq)...)
+		cur.found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+		return err
+	}
+	var err error
+	if cached(conn) {
+		b := &pgx.Batch{}
+		b.Queue(rollbackSQL)
+		b.Queue(s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp))
+		br := conn.SendBatch(ctx, b)
+		if _, err = br.Exec(); err == nil {
+			err = read(br.QueryRow())
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+	} else if _, err = conn.Exec(ctx, rollbackSQL); err == nil {
+		err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
+	}
+	if err != nil {
+		return nil, s.fail(ctx, "apply read", err, true) // the claim was rolled back, or never committed
+	}
+	return &cur, nil
+}
+
+// notCommitted reports whether a failed Apply pipeline certainly did not
+// commit: the server reported an error (which aborts the block before
+// its COMMIT), or nothing was sent.
+func notCommitted(err error) bool { return statementFailed(err) || notApplied(err) }
+
+// serverCondition reports whether a statement's error is a condition of
+// the server rather than a fault of the statement: a serialization failure
+// or deadlock (SQLSTATE class 40), insufficient resources (53), a lock not
+// available or object in use (55), an operator intervention such as a
+// cancel or statement timeout (57), a system error (58) or an internal
+// error (XX). Those are store failures, retried as such; a syntax error, a
+// missing table or a constraint violation is the write's own.
+func serverCondition(err error) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || len(pe.Code) < 2 {
+		return false
+	}
+	switch pe.Code[:2] {
+	case "40", "53", "55", "57", "58", "XX":
+		return true
+	}
+	return false
 }
 
 // writeRefused reports whether err says that one of the caller's writes
@@ -205,7 +311,7 @@ func writeRefused(err error, store ...string) bool {
 		}
 	}
 	// pgx names the step only in the message; TestApplyBadWrite checks it.
-	return statementFailed(err) || strings.HasPrefix(pre.Error(), "error preprocessing batch (build)")
+	return statementFailed(err) && !serverCondition(err) || strings.HasPrefix(pre.Error(), "error preprocessing batch (build)")
 }
 
 // validateWrites refuses what Apply cannot run: result callbacks and

@@ -3,7 +3,6 @@ package pgstore_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -326,29 +325,129 @@ func TestApplyKillBackend(t *testing.T) {
 	}
 }
 
-// TestApplyPartitionedNeedsReadCommitted: on a server whose default
-// isolation is REPEATABLE READ, the partitioned store's Apply writes
-// nothing and says why.
-func TestApplyPartitionedNeedsReadCommitted(t *testing.T) {
+// TestApplyUnderRepeatableReadDefault: on a server whose default isolation
+// is REPEATABLE READ, Apply still runs (it begins READ COMMITTED itself,
+// which the partitioned store needs), on both layouts; a pool on the
+// simple protocol is refused before any I/O.
+func TestApplyUnderRepeatableReadDefault(t *testing.T) {
+	for _, m := range modes {
+		cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		s := openStoreOn(t, pool, freshSchema(t, testPool(t)), m.opts...)
+		fx := applyTables(t, s)
+		mustApply(t, s, "rr", fpA, nil, writesFor(fx, "rr", 1), dedup.Acquired)
+		mustApply(t, s, "rr", fpA, nil, writesFor(fx, "rr", 1), dedup.Duplicate)
+		if n := effects(t, s, fx, "rr"); n != 1 {
+			t.Fatalf("%s: %d effects", m.name, n)
+		}
+	}
 	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	s := openStoreOn(t, pool, freshSchema(t, testPool(t)), modes[1].opts...)
+	s := openStoreOn(t, pool, freshSchema(t, testPool(t)))
+	if _, err := s.Apply(context.Background(), key("sp"), fpA, day, nil, nil); !errors.Is(err, dedup.ErrInvalidArgument) || !strings.Contains(err.Error(), "simple protocol") {
+		t.Fatalf("Apply on a simple-protocol pool = %v, want ErrInvalidArgument naming the simple protocol", err)
+	}
+}
+
+// TestApplyWriteCannotCommitEarly: writes that would commit in the middle
+// of the pipeline (a procedure or a DO block that commits, VACUUM) fail
+// inside Apply's transaction block: nothing is applied, not even the claim
+// or the writes before them, and the redelivery applies everything once.
+func TestApplyWriteCannotCommitEarly(t *testing.T) {
+	forModes(t, func(t *testing.T, m mode) {
+		s := openStore(t, m.opts...)
+		fx := applyTables(t, s)
+		ctx := context.Background()
+		proc := s.Tables().Schema + ".commits"
+		if _, err := s.Pool().Exec(ctx, `CREATE PROCEDURE `+proc+`() LANGUAGE plpgsql AS $$BEGIN COMMIT; END$$`); err != nil {
+			t.Fatal(err)
+		}
+		for name, stmt := range map[string]string{
+			"a procedure that commits": `CALL ` + proc + `()`,
+			"a DO block that commits":  `DO $$BEGIN COMMIT; END$$`,
+			"VACUUM":                   `VACUUM ` + fx,
+		} {
+			w := writesFor(fx, "early", 1)
+			last := w.QueuedQueries[1]
+			w.QueuedQueries[1] = &pgx.QueuedQuery{SQL: stmt}
+			w.QueuedQueries = append(w.QueuedQueries, last)
+			if _, err := s.Apply(ctx, key("early"), fpA, day, nil, w); err == nil {
+				t.Fatalf("%s: Apply succeeded", name)
+			}
+			if n, r, tot := effects(t, s, fx, "early"), countRecords(t, s, "early"), total(t, s, fx); n != 0 || r != 0 || tot != 0 {
+				t.Fatalf("%s: %d effects, %d records, total %d after the failed Apply: part of it committed", name, n, r, tot)
+			}
+		}
+		mustApply(t, s, "early", fpA, nil, writesFor(fx, "early", 1), dedup.Acquired)
+		mustApply(t, s, "early", fpA, nil, writesFor(fx, "early", 1), dedup.Duplicate)
+		if n, tot := effects(t, s, fx, "early"), total(t, s, fx); n != 1 || tot != 1 {
+			t.Fatalf("%d effects, total %d; want one", n, tot)
+		}
+	})
+}
+
+// TestApplyLockTimeoutIsStoreError: a write that times out on a lock
+// (SQLSTATE 55P03), while being prepared or while running, is the
+// server's condition, not the write's fault: a store error that says
+// nothing was applied, to be retried; the retry applies once the lock is
+// gone.
+func TestApplyLockTimeoutIsStoreError(t *testing.T) {
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms"
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s := openStoreOn(t, pool, freshSchema(t, testPool(t)))
 	fx := applyTables(t, s)
-	_, err = s.Apply(context.Background(), key("rr"), fpA, day, nil, writesFor(fx, "rr", 1))
-	if !dedup.IsStoreError(err) || !strings.Contains(fmt.Sprint(err), "READ COMMITTED") {
-		t.Fatalf("partitioned Apply under REPEATABLE READ = %v, want a store error naming READ COMMITTED", err)
+	mustApply(t, s, "warm", fpA, nil, writesFor(fx, "warm", 1), dedup.Acquired) // the writes are prepared now
+	ctx := context.Background()
+	for _, when := range []string{"running", "preparing"} {
+		w := writesFor(fx, "lt", 1)
+		if when == "preparing" {
+			w.QueuedQueries[0].SQL += ` RETURNING msg_id` // a statement not prepared yet
+		}
+		holder, err := testPool(t).Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := holder.Exec(ctx, `LOCK TABLE `+fx+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+			t.Fatal(err)
+		}
+		_, err = s.Apply(ctx, key("lt"), fpA, day, nil, w)
+		var se *dedup.StoreError
+		if !errors.As(err, &se) || !se.SafeToRetry() || pgCode(err) != "55P03" {
+			t.Fatalf("%s: Apply under a lock timeout = %v, want a NotApplied store error with 55P03", when, err)
+		}
+		if err := holder.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n, r := effects(t, s, fx, "lt"), countRecords(t, s, "lt"); n != 0 || r != 0 {
+			t.Fatalf("%s: %d effects, %d records", when, n, r)
+		}
 	}
-	if n := effects(t, s, fx, "rr"); n != 0 {
-		t.Fatalf("%d effects", n)
-	}
+	mustApply(t, s, "lt", fpA, nil, writesFor(fx, "lt", 1), dedup.Acquired)
 }
 
 // TestApplyReusedBatch: one *pgx.Batch sent again after a call whose
@@ -404,4 +503,35 @@ func TestApplyBadWrite(t *testing.T) {
 		}
 		mustApply(t, s, "w", fpA, nil, writesFor(fx, "w", 1), dedup.Acquired)
 	})
+}
+
+// TestApplyOtherQueryModes: on pools in pgx's other extended-protocol
+// modes (no named prepared statements, as for a transaction pooler),
+// Apply applies once, reads a duplicate, and reports a failing write.
+func TestApplyOtherQueryModes(t *testing.T) {
+	for _, qm := range []pgx.QueryExecMode{pgx.QueryExecModeExec, pgx.QueryExecModeCacheDescribe, pgx.QueryExecModeDescribeExec} {
+		cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.DefaultQueryExecMode = qm
+		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(pool.Close)
+		s := openStoreOn(t, pool, freshSchema(t, testPool(t)))
+		fx := applyTables(t, s)
+		mustApply(t, s, "q", fpA, []byte("r"), writesFor(fx, "q", 1), dedup.Acquired)
+		if d := mustApply(t, s, "q", fpA, nil, writesFor(fx, "q", 1), dedup.Duplicate); string(d.Result) != "r" {
+			t.Fatalf("mode %v: duplicate result %q", qm, d.Result)
+		}
+		if _, err := s.Apply(context.Background(), key("q2"), fpA, day, nil, writesFor(fx, "q2", 5000)); pgCode(err) != "23514" {
+			t.Fatalf("mode %v: failing write = %v, want the CHECK violation", qm, err)
+		}
+		mustApply(t, s, "q2", fpA, nil, writesFor(fx, "q2", 1), dedup.Acquired)
+		if n, tot := effects(t, s, fx, "q")+effects(t, s, fx, "q2"), total(t, s, fx); n != 2 || tot != 2 {
+			t.Fatalf("mode %v: %d effects, total %d", qm, n, tot)
+		}
+	}
 }

@@ -223,17 +223,11 @@ ins AS (
 // applyCheck is the final SELECT of Apply's claim over the CTE c of the
 // rows it inserted or took: the acquired record's attempts, lease_until
 // and expires_at, or, when c is empty, an error (see recordCheck for the
-// technique) that rolls back the implicit transaction of Apply's pipeline
-// before any of the caller's writes runs. On the partitioned table (p)
-// the claim does nothing outside READ COMMITTED, and the error says so.
-func applyCheck(c string, p bool) string {
-	taken := sqlLiteral(applyTaken + ": ")
-	if p {
-		taken = `CASE WHEN current_setting('transaction_isolation') = 'read committed' THEN ` + taken + `
-		ELSE ` + sqlLiteral(applyIsolation+": ") + ` END`
-	}
+// technique) that aborts Apply's transaction block before any of the
+// caller's writes runs.
+func applyCheck(c string) string {
 	return `
-SELECT CASE count(*) WHEN 1 THEN min(attempts) ELSE (` + taken + ` || count(*))::int END,
+SELECT CASE count(*) WHEN 1 THEN min(attempts) ELSE (` + sqlLiteral(applyTaken+": ") + ` || count(*))::int END,
 	min(lease_until), min(expires_at)
 FROM ` + c
 }
@@ -259,9 +253,9 @@ func buildStatements(n *names, cfg *config) statements {
 VALUES ` + values(applyKind(n, "$1::text")) + `
 ON CONFLICT (scope, id) DO UPDATE SET attempts = (` + sqlLiteral(applyTaken+": ") + ` || r.state)::int
 RETURNING r.attempts, r.lease_until, r.expires_at`,
-		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::text"), `r.attempts, r.lease_until, r.expires_at`) + `)` + applyCheck("c", false),
+		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::text"), `r.attempts, r.lease_until, r.expires_at`) + `)` + applyCheck("c"),
 		applyCurrent: `SELECT ` + returning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::text AND r.id = $2::text`,
-		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins", true),
+		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins"),
 		current:      `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::text AND id = $2::text`,
 		claimBatch:   plainBatch(n, leaseKind("$5", grace)),
 		pClaim:       partitionedUpsert(n, leaseKind("$5", grace), scalarSource),
@@ -340,13 +334,9 @@ FROM d`
 // the planner cannot fold it early).
 const recordCheck = "dedup inbox record missing or changed"
 
-// The messages of applyCheck's errors: the key was not acquired (the
-// record is read next), or the partitioned claim ran outside READ
-// COMMITTED and did nothing.
-const (
-	applyTaken     = "dedup apply: key not acquired"
-	applyIsolation = "dedup apply: the partitioned records table needs READ COMMITTED"
-)
+// applyTaken starts the message of the error Apply's claims raise when
+// they do not acquire the key (the record is read next).
+const applyTaken = "dedup apply: key not acquired"
 
 // checkFailed reports whether err is the failure of a check statement
 // whose message starts with msg (see recordCheck).
