@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -14,8 +15,8 @@ import (
 
 // Apply is the transactional inbox in one round trip, for a message whose
 // writes are known before they run: it claims key and runs writes in one
-// pipeline that PostgreSQL executes as one transaction, so the
-// dedup record (completed at once, with result, kept for retention or the
+// pipeline that PostgreSQL executes as one transaction, so the dedup
+// record (completed at once, with result, kept for retention or the
 // scope's window if longer) and the writes commit together or not at all.
 //
 // The claim fails when it does not acquire (for a new key it is one INSERT
@@ -23,47 +24,51 @@ import (
 // under an expired lease, is then taken by RunInbox's claim made to fail
 // likewise): the server then skips the writes and rolls the whole pipeline
 // back, and Apply reads the record that stopped it in a second round trip
-// and returns Duplicate (with the stored result),
-// InProgress (a [Store.Claim] owner holds a live lease) or Mismatch, with a
-// nil error. A concurrent Apply or inbox transaction with the same key
-// makes the claim wait until it ends, then see a duplicate if it committed
-// or acquire if it rolled back. A new message costs one round trip and one
-// commit; a business transaction that writes the same rows the usual way
-// (BEGIN, the writes, COMMIT) costs at least three.
+// and returns Duplicate (with the stored result), InProgress (a
+// [Store.Claim] owner holds a live lease) or Mismatch, with a nil error. A
+// concurrent Apply or inbox transaction with the same key makes the claim
+// wait until it ends, then see a duplicate if it committed or acquire if
+// it rolled back. A new message costs one round trip and one commit; a
+// business transaction that writes the same rows the usual way (BEGIN,
+// the writes, COMMIT) costs at least three.
 //
 // writes holds the message's statements, queued with [pgx.Batch.Queue];
-// nil or empty records the key alone. Their order is kept. What they
-// cannot do, because they are sent before any of them runs:
+// nil or empty records the key alone. Their order is kept. Because they
+// are sent before any of them runs, Apply refuses with an
+// [*dedup.ArgumentError], before any I/O:
 //
-//   - depend on each other's results in Go (in SQL they can: a CTE, or a
-//     subquery on a row an earlier statement wrote);
-//   - have result callbacks ([pgx.QueuedQuery.Exec], Query or QueryRow):
-//     a callback could not stop the commit, which the server makes when the
-//     last statement succeeds, so Apply refuses them with an
-//     [*dedup.ArgumentError] before any I/O;
-//   - control the transaction (BEGIN, COMMIT, ROLLBACK, SAVEPOINT, ...),
-//     also refused. A handler that must read before it writes, or decide
-//     in Go between statements, belongs in [Store.RunInbox].
+//   - anything but DML (INSERT, UPDATE, DELETE, MERGE, SELECT, WITH,
+//     VALUES, by the first word): anything else could end the transaction
+//     in the middle of the pipeline (a procedure or DO block that commits,
+//     VACUUM) and commit the claim without the writes after it, while a
+//     function called from DML cannot commit;
+//   - result callbacks ([pgx.QueuedQuery.Exec], Query or QueryRow): a
+//     callback could not stop the commit, which the server makes when the
+//     last statement succeeds.
+//
+// A write cannot depend on another's result in Go (in SQL it can: a CTE,
+// or a subquery on a row an earlier statement wrote). A handler that must
+// read before it writes, or decide in Go between statements, belongs in
+// [Store.RunInbox].
 //
 // Errors: an [*dedup.ArgumentError] for bad input; a [*dedup.StoreError]
-// when the store failed (NotApplied when nothing can have committed; when
-// the connection broke after the pipeline was sent the outcome is unknown,
-// and the redelivery finds out which, since the record and the writes
-// commit together); any other error is a statement of writes failing (a
-// [*pgconn.PgError] such as a constraint violation, or a
+// when the store failed, including a condition of the server's rather
+// than a fault of a write (a serialization failure or deadlock, a lock or
+// statement timeout, a cancel, lack of resources), NotApplied when nothing
+// can have committed (when the connection broke after the pipeline was
+// sent the outcome is unknown, and the redelivery finds out which, since
+// the record and the writes commit together); any other error is a write
+// failing (a [*pgconn.PgError] such as a constraint violation, or a
 // [pgx.ErrPreprocessingBatch] for a write the server could not prepare or
-// pgx could not encode), returned unchanged, and nothing was applied. A Claim with Outcome Acquired means the
-// pipeline committed.
+// pgx could not encode), returned unchanged, and nothing was applied. A
+// Claim with Outcome Acquired means the pipeline committed.
 //
-// The pipeline is one transaction block, BEGIN ISOLATION LEVEL READ
-// COMMITTED ... COMMIT, as RunInbox's transaction is: inside it a write
-// cannot commit part of the pipeline (a procedure or DO block that
-// commits, or VACUUM, fails instead, and nothing is applied). A failure of
-// the server's rather than of a write (a serialization failure or
-// deadlock, a lock or statement timeout, a cancel, lack of resources) is
-// a [*dedup.StoreError] with NotApplied, to be retried. The pool must use
-// the extended protocol (any pgx.QueryExecMode but the simple protocol,
-// which sends a batch as one multi-statement string).
+// On the plain table the pipeline is an implicit transaction at the
+// server's default isolation; the partitioned store, whose claim needs
+// READ COMMITTED, wraps it in BEGIN ISOLATION LEVEL READ COMMITTED ...
+// COMMIT (still one round trip). The pool must use the extended protocol
+// (any pgx.QueryExecMode but the simple protocol, which sends a batch as
+// one multi-statement string).
 func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, result []byte, writes *pgx.Batch) (dedup.Claim, error) {
 	if err := validateInbox(key, fp, retention, false); err != nil {
 		return dedup.Claim{}, err
@@ -121,7 +126,7 @@ type current struct {
 	found, acq bool
 }
 
-// Statements of Apply's transaction block.
+// Statements of the partitioned store's transaction block.
 const (
 	beginRC     = "begin isolation level read committed"
 	commitSQL   = "commit"
@@ -129,12 +134,14 @@ const (
 )
 
 // applyOnce sends Apply's pipeline once, with the claim statement stmt:
-// BEGIN, the claim, the writes, COMMIT. The explicit transaction block is
-// what keeps a write from committing part of the pipeline: inside it, a
-// procedure or DO block that commits, or a statement that cannot run in a
-// transaction (VACUUM), fails instead. When the claim found a record it
-// could not acquire, nothing was applied, and cur is that record, read in
-// the round trip of the ROLLBACK.
+// the claim, then the writes, which PostgreSQL runs as one implicit
+// transaction committed at the pipeline's end. The partitioned store
+// wraps them in BEGIN ISOLATION LEVEL READ COMMITTED ... COMMIT with the
+// key's lock first, since its claim needs READ COMMITTED whatever the
+// server's default. (The writes are DML, which cannot end the transaction
+// early; see isDML.) When the claim found a record it could not acquire,
+// nothing was applied, and cur is that record, read in the next round
+// trip (with the block's ROLLBACK).
 func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, cur *current, err error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
@@ -151,46 +158,46 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		}
 		conn.Release()
 	}()
-	n := 3
+	block := s.cfg.partition > 0
+	n := 1
 	if writes != nil {
 		n += len(writes.QueuedQueries)
 	}
-	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, n+1)}
-	b.Queue(beginRC)
-	if s.cfg.partition > 0 {
+	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, n+4)}
+	if block {
+		b.Queue(beginRC)
 		b.Queue(s.sql.lock, s.keyLock(key))
 	}
 	b.Queue(stmt, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result)
-	b.Queue(commitSQL)
 	// The claim fails by design on a duplicate, and pgx drops a failed
 	// batch's statements from its statement cache, to be prepared again on
 	// their next use. Prepared explicitly (once per connection; later calls
 	// do no I/O), the store's statements stay prepared. Only in pgx's
 	// default mode: a pool set up for a transaction pooler prepares nothing.
-	// So are the ROLLBACK and the read of a duplicate, which must not be
-	// prepared while the block is aborted.
+	// So are the block's COMMIT and ROLLBACK, and the read of a duplicate,
+	// which must not be prepared while the block is aborted.
 	if cached(conn.Conn()) {
-		for _, q := range append(b.QueuedQueries, &pgx.QueuedQuery{SQL: rollbackSQL}, &pgx.QueuedQuery{SQL: s.sql.applyCurrent}) {
+		for _, q := range append(b.QueuedQueries, &pgx.QueuedQuery{SQL: commitSQL}, &pgx.QueuedQuery{SQL: rollbackSQL}, &pgx.QueuedQuery{SQL: s.sql.applyCurrent}) {
 			if _, err := conn.Conn().Prepare(ctx, q.SQL, q.SQL); err != nil {
 				return c, nil, s.fail(ctx, "apply prepare", err, true)
 			}
 		}
 	}
 	if writes != nil {
-		// The writes go between the claim and the COMMIT, as new queued
-		// queries: pgx keeps a sent query's prepared statement on it,
-		// which a failed batch may have deallocated since.
-		last := b.QueuedQueries[len(b.QueuedQueries)-1]
-		b.QueuedQueries = b.QueuedQueries[:len(b.QueuedQueries)-1]
+		// New queued queries: pgx keeps a sent query's prepared statement
+		// on it, which a failed batch may have deallocated since.
 		for _, q := range writes.QueuedQueries {
 			b.Queue(q.SQL, q.Arguments...)
 		}
-		b.QueuedQueries = append(b.QueuedQueries, last)
+	}
+	if block {
+		b.Queue(commitSQL)
 	}
 	br := conn.SendBatch(ctx, b)
-	_, err = br.Exec() // BEGIN
-	if err == nil && s.cfg.partition > 0 {
-		_, err = br.Exec()
+	if block {
+		if _, err = br.Exec(); err == nil { // BEGIN
+			_, err = br.Exec() // the key's lock
+		}
 	}
 	var r row
 	if err == nil {
@@ -200,7 +207,7 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		br.Close()
 		switch {
 		case checkFailed(err, applyTaken):
-			cur, err := s.readTaken(ctx, conn.Conn(), key, fp)
+			cur, err := s.readTaken(ctx, conn.Conn(), block, key, fp)
 			return c, cur, err
 		case writeRefused(err, stmt, s.sql.lock, beginRC, commitSQL):
 			return c, nil, err
@@ -210,7 +217,7 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 	// The writes' results, then the COMMIT's.
 	if err := br.Close(); err != nil {
 		if statementFailed(err) && !serverCondition(err) {
-			return c, nil, err // a write failed: the block rolls back
+			return c, nil, err // a write failed: the transaction rolls back
 		}
 		return c, nil, s.fail(ctx, "apply", err, notCommitted(err))
 	}
@@ -234,11 +241,11 @@ func cached(conn *pgx.Conn) bool {
 	return conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
 }
 
-// readTaken rolls back the aborted block of a claim that found key taken
-// and reads the record, in one round trip on conn (two in a mode where
-// pgx describes a statement before it runs it, which an aborted block
-// refuses).
-func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, key dedup.Key, fp dedup.Fingerprint) (*current, error) {
+// readTaken reads the record of key after a claim that found it taken,
+// rolling back the claim's aborted block first if it ran in one: one
+// round trip on conn (two in a mode where pgx describes a statement
+// before it runs it, which an aborted block refuses).
+func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, block bool, key dedup.Key, fp dedup.Fingerprint) (*current, error) {
 	var cur current
 	read := func(row pgx.Row) error {
 		err := row.Scan(append(cur.r.dest(), &cur.acq)...)
@@ -249,7 +256,10 @@ func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, key dedup.Key, fp
 		return err
 	}
 	var err error
-	if cached(conn) {
+	switch {
+	case !block:
+		err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
+	case cached(conn):
 		b := &pgx.Batch{}
 		b.Queue(rollbackSQL)
 		b.Queue(s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp))
@@ -260,8 +270,10 @@ func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, key dedup.Key, fp
 		if cerr := br.Close(); err == nil {
 			err = cerr
 		}
-	} else if _, err = conn.Exec(ctx, rollbackSQL); err == nil {
-		err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
+	default:
+		if _, err = conn.Exec(ctx, rollbackSQL); err == nil {
+			err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
+		}
 	}
 	if err != nil {
 		return nil, s.fail(ctx, "apply read", err, true) // the claim was rolled back, or never committed
@@ -327,18 +339,22 @@ func validateWrites(writes *pgx.Batch) error {
 			return &dedup.ArgumentError{Arg: arg, Reason: "is nil"}
 		case q.Fn != nil:
 			return &dedup.ArgumentError{Arg: arg, Reason: "has a result callback, which could not stop the commit; queue it without one, or use RunInbox to read results"}
-		case controlsTx(q.SQL):
-			return &dedup.ArgumentError{Arg: arg, Reason: "controls the transaction (" + firstWord(q.SQL) + "); Apply commits the writes with the record itself"}
+		case !isDML(q.SQL):
+			return &dedup.ArgumentError{Arg: arg, Reason: "starts with " + strconv.Quote(firstWord(q.SQL)) +
+				"; Apply takes DML only (INSERT, UPDATE, DELETE, MERGE, SELECT, WITH, VALUES), which cannot end the transaction it runs in; use RunInbox for anything else"}
 		}
 	}
 	return nil
 }
 
-// controlsTx reports whether statement sql begins with a transaction
-// control keyword.
-func controlsTx(sql string) bool {
+// isDML reports whether statement sql begins with a keyword of a data
+// manipulation statement. None of those can end the transaction it runs
+// in: a function they call cannot commit or roll back ("invalid
+// transaction termination"); only CALL, DO and utility statements can
+// (VACUUM, for one, commits what ran before it in the pipeline).
+func isDML(sql string) bool {
 	w := firstWord(sql)
-	for _, k := range txControl {
+	for _, k := range dml {
 		if strings.EqualFold(w, k) {
 			return true
 		}
@@ -346,7 +362,7 @@ func controlsTx(sql string) bool {
 	return false
 }
 
-var txControl = []string{"BEGIN", "START", "COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE"}
+var dml = []string{"INSERT", "UPDATE", "DELETE", "MERGE", "SELECT", "WITH", "VALUES"}
 
 // firstWord is the first word of sql, after blanks, comments and
 // parentheses.

@@ -365,30 +365,34 @@ func TestApplyUnderRepeatableReadDefault(t *testing.T) {
 	}
 }
 
-// TestApplyWriteCannotCommitEarly: writes that would commit in the middle
-// of the pipeline (a procedure or a DO block that commits, VACUUM) fail
-// inside Apply's transaction block: nothing is applied, not even the claim
-// or the writes before them, and the redelivery applies everything once.
+// TestApplyWriteCannotCommitEarly: writes that could commit in the middle
+// of the pipeline (a procedure or a DO block that commits, VACUUM) are
+// refused before any I/O, and DML calling a function that tries to commit
+// fails: either way nothing is applied, not even the claim or the writes
+// before them, and the redelivery applies everything once.
 func TestApplyWriteCannotCommitEarly(t *testing.T) {
 	forModes(t, func(t *testing.T, m mode) {
 		s := openStore(t, m.opts...)
 		fx := applyTables(t, s)
 		ctx := context.Background()
 		proc := s.Tables().Schema + ".commits"
-		if _, err := s.Pool().Exec(ctx, `CREATE PROCEDURE `+proc+`() LANGUAGE plpgsql AS $$BEGIN COMMIT; END$$`); err != nil {
+		if _, err := s.Pool().Exec(ctx, `CREATE PROCEDURE `+proc+`() LANGUAGE plpgsql AS $$BEGIN COMMIT; END$$;
+CREATE FUNCTION `+proc+`_fn() RETURNS int LANGUAGE plpgsql AS $$BEGIN COMMIT; RETURN 1; END$$`); err != nil {
 			t.Fatal(err)
 		}
 		for name, stmt := range map[string]string{
-			"a procedure that commits": `CALL ` + proc + `()`,
-			"a DO block that commits":  `DO $$BEGIN COMMIT; END$$`,
-			"VACUUM":                   `VACUUM ` + fx,
+			"a procedure that commits":        `CALL ` + proc + `()`,
+			"a DO block that commits":         `DO $$BEGIN COMMIT; END$$`,
+			"VACUUM":                          `VACUUM ` + fx,
+			"a function that tries to commit": `SELECT ` + proc + `_fn()`,
 		} {
 			w := writesFor(fx, "early", 1)
 			last := w.QueuedQueries[1]
 			w.QueuedQueries[1] = &pgx.QueuedQuery{SQL: stmt}
 			w.QueuedQueries = append(w.QueuedQueries, last)
-			if _, err := s.Apply(ctx, key("early"), fpA, day, nil, w); err == nil {
-				t.Fatalf("%s: Apply succeeded", name)
+			_, err := s.Apply(ctx, key("early"), fpA, day, nil, w)
+			if refused := errors.Is(err, dedup.ErrInvalidArgument); err == nil || refused != (name != "a function that tries to commit") {
+				t.Fatalf("%s: Apply = %v", name, err)
 			}
 			if n, r, tot := effects(t, s, fx, "early"), countRecords(t, s, "early"), total(t, s, fx); n != 0 || r != 0 || tot != 0 {
 				t.Fatalf("%s: %d effects, %d records, total %d after the failed Apply: part of it committed", name, n, r, tot)

@@ -5,24 +5,28 @@ import (
 	"testing"
 )
 
-func TestControlsTx(t *testing.T) {
+func TestIsDML(t *testing.T) {
 	for sql, want := range map[string]bool{
-		"BEGIN":                                true,
-		"  begin isolation level serializable": true,
-		"/* note */ COMMIT":                    true,
-		"-- x\n--y\n rollback":                 true,
-		"(savepoint":                           true,
-		";end":                                 true,
-		"INSERT INTO t VALUES (1)":             false,
-		"insert into begin_log values (1)":     false,
-		"WITH x AS (SELECT 1) SELECT * FROM x": false,
-		"beginning":                            false,
-		"/* unterminated BEGIN":                false,
-		"-- only a comment":                    false,
-		"":                                     false,
+		"INSERT INTO t VALUES (1)": true,
+		"  update t set a = 1":     true,
+		"/* note */ DELETE FROM t": true,
+		"-- x\n--y\n merge into t using s on true when matched then delete": true,
+		"(select 1)": true,
+		"WITH x AS (DELETE FROM t RETURNING *) SELECT * FROM x": true,
+		"values (1)":                true,
+		"BEGIN":                     false,
+		"commit":                    false,
+		"CALL p()":                  false,
+		"DO $$BEGIN COMMIT; END$$":  false,
+		"VACUUM t":                  false,
+		"SET statement_timeout = 0": false,
+		"insertion":                 false,
+		"/* unterminated INSERT":    false,
+		"-- only a comment":         false,
+		"":                          false,
 	} {
-		if got := controlsTx(sql); got != want {
-			t.Errorf("controlsTx(%q) = %v, want %v", sql, got, want)
+		if got := isDML(sql); got != want {
+			t.Errorf("isDML(%q) = %v, want %v", sql, got, want)
 		}
 	}
 }
