@@ -120,8 +120,8 @@
 // which makes the server skip the writes and roll everything back; Apply
 // then reads the record and reports the duplicate. A new message costs
 // one round trip against the bare transaction's three: in BenchmarkInbox
-// Apply takes 0.94-1.00x the bare transaction's time from one goroutine
-// and 1.13-1.20x from 16 (1.4x and 1.6-1.9x the same write sent alone in
+// Apply takes 1.01-1.03x the bare transaction's time from one goroutine
+// and 1.09-1.16x from 16 (1.4-1.5x and 1.7-1.8x the same write sent alone in
 // one pipeline, which is what the dedup row costs when no round trip is
 // left to save).
 //
