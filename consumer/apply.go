@@ -35,13 +35,7 @@ type WritesHandler[W any] func(ctx context.Context, m *Message, d Delivery) (wri
 // rejection's result and none of the writes. An outcome the reconciler
 // settles as applied records the key with the reconciled result.
 func NewApply[W any](name string, ap Applier[W], h WritesHandler[W], opts ...Option) (*Processor, error) {
-	if any(ap) == nil {
-		return nil, &dedup.ArgumentError{Arg: "applier", Reason: "is nil"}
-	}
-	if h == nil {
-		return nil, &dedup.ArgumentError{Arg: "handler", Reason: "is nil"}
-	}
-	p, err := newProcessor(name, opts)
+	p, err := newStepProcessor(name, "applier", any(ap) == nil, h == nil, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -70,17 +64,8 @@ func NewApply[W any](name string, ap Applier[W], h WritesHandler[W], opts ...Opt
 			a.ran, a.recorded = !dedup.IsStoreError(err), false
 			return a, err
 		}
-		a.attempt = c.Attempt
-		switch c.Outcome {
-		case dedup.Acquired:
-			a.ran, a.result = true, out
-		case dedup.Duplicate:
-			a.duplicate, a.result, a.recorded = true, c.Result, false
-		default:
-			a.recorded = false
-			return a, c.Err()
-		}
-		return a, nil
+		a.ran = c.Outcome == dedup.Acquired
+		return a, a.claimed(c, out)
 	}
 	return p, nil
 }

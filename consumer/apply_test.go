@@ -115,10 +115,9 @@ func TestApplyProcessor(t *testing.T) {
 	}
 }
 
-// TestApplyProcessorConcurrent: 32 goroutines process one message at once;
-// one write commits and every decision acks.
-func TestApplyProcessorConcurrent(t *testing.T) {
-	s, ledger := openApply(t)
+// oneRowProcessor applies each message as one ledger row.
+func oneRowProcessor(t *testing.T, s *pgstore.Store, ledger string) *consumer.Processor {
+	t.Helper()
 	p, err := consumer.NewApply("ledger", s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) (*pgx.Batch, []byte, error) {
 		var w pgx.Batch
 		w.Queue(`INSERT INTO `+ledger+` (id, amount) VALUES ($1, 1)`, m.ID)
@@ -127,6 +126,14 @@ func TestApplyProcessorConcurrent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return p
+}
+
+// TestApplyProcessorConcurrent: 32 goroutines process one message at once;
+// one write commits and every decision acks.
+func TestApplyProcessorConcurrent(t *testing.T) {
+	s, ledger := openApply(t)
+	p := oneRowProcessor(t, s, ledger)
 	var wg sync.WaitGroup
 	for range 32 {
 		wg.Go(func() { want(t, p.Process(context.Background(), msg("hot")), consumer.Ack) })
@@ -144,14 +151,7 @@ func TestApplyProcessorConcurrent(t *testing.T) {
 // closed: a retry, not an attempt, nothing written.
 func TestApplyProcessorStoreDown(t *testing.T) {
 	s, ledger := openApply(t)
-	p, err := consumer.NewApply("ledger", s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) (*pgx.Batch, []byte, error) {
-		var w pgx.Batch
-		w.Queue(`INSERT INTO `+ledger+` (id, amount) VALUES ($1, 1)`, m.ID)
-		return &w, nil, nil
-	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := oneRowProcessor(t, s, ledger)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	d := p.Process(ctx, msg("down"))

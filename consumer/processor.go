@@ -207,13 +207,7 @@ type TxHandler[Tx any] func(ctx context.Context, tx Tx, m *Message, d Delivery) 
 // you would not keep. An unknown outcome the reconciler settles as applied
 // also commits.
 func NewInbox[Tx any](name string, inbox Inbox[Tx], h TxHandler[Tx], opts ...Option) (*Processor, error) {
-	if any(inbox) == nil {
-		return nil, &dedup.ArgumentError{Arg: "inbox", Reason: "is nil"}
-	}
-	if h == nil {
-		return nil, &dedup.ArgumentError{Arg: "handler", Reason: "is nil"}
-	}
-	p, err := newProcessor(name, opts)
+	p, err := newStepProcessor(name, "inbox", any(inbox) == nil, h == nil, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -238,22 +232,41 @@ func NewInbox[Tx any](name string, inbox Inbox[Tx], h TxHandler[Tx], opts ...Opt
 			a.recorded = false
 			return a, err
 		}
-		a.attempt = c.Attempt
-		switch c.Outcome {
-		case dedup.Acquired:
-			a.result = c.Result
-			if a.recorded {
-				a.result = rejected
-			}
-		case dedup.Duplicate:
-			a.duplicate, a.result, a.recorded = true, c.Result, false
-		default:
-			a.recorded = false
-			return a, c.Err()
+		res := c.Result
+		if a.recorded {
+			res = rejected
 		}
-		return a, nil
+		return a, a.claimed(c, res)
 	}
 	return p, nil
+}
+
+// newStepProcessor is the start of NewInbox and NewApply: their store
+// (named storeArg) and handler must not be nil.
+func newStepProcessor(name, storeArg string, noStore, noHandler bool, opts []Option) (*Processor, error) {
+	if noStore {
+		return nil, &dedup.ArgumentError{Arg: storeArg, Reason: "is nil"}
+	}
+	if noHandler {
+		return nil, &dedup.ArgumentError{Arg: "handler", Reason: "is nil"}
+	}
+	return newProcessor(name, opts)
+}
+
+// claimed takes the claim of an inbox step that acquired with result res,
+// or found the key done or taken (an error for the decision).
+func (a *applied) claimed(c dedup.Claim, res []byte) error {
+	a.attempt = c.Attempt
+	switch c.Outcome {
+	case dedup.Acquired:
+		a.result = res
+		return nil
+	case dedup.Duplicate:
+		a.duplicate, a.result, a.recorded = true, c.Result, false
+		return nil
+	}
+	a.recorded = false
+	return c.Err()
 }
 
 func newProcessor(name string, opts []Option) (*Processor, error) {
