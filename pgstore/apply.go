@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 
@@ -47,7 +46,11 @@ import (
 //     last statement succeeds.
 //
 // A write cannot depend on another's result in Go (in SQL it can: a CTE,
-// or a subquery on a row an earlier statement wrote). A handler that must
+// or a subquery on a row an earlier statement wrote). The writes run on a
+// pooled connection that goes back to the pool, so they must not change
+// the session (set_config with is_local false, a session-level advisory
+// lock, SELECT ... INTO a temporary table), as a RunInbox handler must
+// not. A handler that must
 // read before it writes, or decide in Go between statements, belongs in
 // [Store.RunInbox].
 //
@@ -78,9 +81,6 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	}
 	if err := s.begin(ctx, "apply"); err != nil {
 		return dedup.Claim{}, err
-	}
-	if s.pool.Config().ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeSimpleProtocol {
-		return dedup.Claim{}, &dedup.ArgumentError{Arg: "pool", Reason: "uses the simple protocol, which sends a batch as one multi-statement string; Apply needs the extended protocol (any other pgx.QueryExecMode), or use RunInbox"}
 	}
 	tok := dedup.NewToken()
 	// A new key takes one statement that fails on any existing record,
@@ -147,6 +147,11 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 	if err != nil {
 		return c, nil, s.fail(ctx, "apply", err, true)
 	}
+	mode := conn.Conn().Config().DefaultQueryExecMode
+	if mode == pgx.QueryExecModeSimpleProtocol {
+		conn.Release()
+		return c, nil, &dedup.ArgumentError{Arg: "pool", Reason: "uses the simple protocol, which sends a batch as one multi-statement string; Apply needs the extended protocol (any other pgx.QueryExecMode), or use RunInbox"}
+	}
 	defer func() {
 		// After a failure the block is aborted (or its state unknown):
 		// roll it back so that the connection goes back idle; if that
@@ -184,9 +189,18 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		}
 	}
 	if writes != nil {
-		// New queued queries: pgx keeps a sent query's prepared statement
-		// on it, which a failed batch may have deallocated since.
-		for _, q := range writes.QueuedQueries {
+		var eqb pgx.ExtendedQueryBuilder
+		for i, q := range writes.QueuedQueries {
+			if mode == pgx.QueryExecModeExec {
+				// In this mode pgx reports an argument it cannot encode
+				// as a plain error, indistinguishable from a broken
+				// connection: encode first, to blame the write.
+				if err := eqb.Build(conn.Conn().TypeMap(), nil, q.Arguments); err != nil {
+					return c, nil, fmt.Errorf("writes[%d]: %w", i, err)
+				}
+			}
+			// New queued queries: pgx keeps a sent query's prepared
+			// statement on it, which a failed batch may have deallocated.
 			b.Queue(q.SQL, q.Arguments...)
 		}
 	}
@@ -289,7 +303,7 @@ func notCommitted(err error) bool { return statementFailed(err) || notApplied(er
 // serverCondition reports whether a statement's error is a condition of
 // the server rather than a fault of the statement: a serialization failure
 // or deadlock (SQLSTATE class 40), insufficient resources (53), a lock not
-// available or object in use (55), an operator intervention such as a
+// available or an object in use (55P03, 55006), an operator intervention such as a
 // cancel or statement timeout (57), a system error (58) or an internal
 // error (XX). Those are store failures, retried as such; a syntax error, a
 // missing table or a constraint violation is the write's own.
@@ -299,8 +313,10 @@ func serverCondition(err error) bool {
 		return false
 	}
 	switch pe.Code[:2] {
-	case "40", "53", "55", "57", "58", "XX":
+	case "40", "53", "57", "58", "XX":
 		return true
+	case "55":
+		return pe.Code == "55P03" || pe.Code == "55006" // lock_not_available, object_in_use
 	}
 	return false
 }
@@ -340,8 +356,8 @@ func validateWrites(writes *pgx.Batch) error {
 		case q.Fn != nil:
 			return &dedup.ArgumentError{Arg: arg, Reason: "has a result callback, which could not stop the commit; queue it without one, or use RunInbox to read results"}
 		case !isDML(q.SQL):
-			return &dedup.ArgumentError{Arg: arg, Reason: "starts with " + strconv.Quote(firstWord(q.SQL)) +
-				"; Apply takes DML only (INSERT, UPDATE, DELETE, MERGE, SELECT, WITH, VALUES), which cannot end the transaction it runs in; use RunInbox for anything else"}
+			return &dedup.ArgumentError{Arg: arg, Reason: "does not start with a DML keyword (INSERT, UPDATE, DELETE, MERGE, SELECT, WITH, VALUES; nothing before it but blanks): " +
+				"anything else could end the transaction Apply runs it in; use RunInbox for anything else"}
 		}
 	}
 	return nil
@@ -364,31 +380,22 @@ func isDML(sql string) bool {
 
 var dml = []string{"INSERT", "UPDATE", "DELETE", "MERGE", "SELECT", "WITH", "VALUES"}
 
-// firstWord is the first word of sql, after blanks, comments and
-// parentheses.
+// firstWord is the keyword sql starts with, after blanks only, or "" when
+// it starts with anything else (a comment, a parenthesis, a quoted
+// identifier) or the word runs on into an identifier. Being strict is the
+// point: PostgreSQL's lexer nests /* */ comments and ends -- comments at
+// \r as well as \n, and a looser reading could take a CALL hidden behind
+// a comment for the INSERT inside it.
 func firstWord(sql string) string {
-	for {
-		sql = strings.TrimLeft(sql, " \t\r\n(;")
-		switch {
-		case strings.HasPrefix(sql, "--"):
-			if i := strings.IndexByte(sql, '\n'); i >= 0 {
-				sql = sql[i+1:]
-				continue
-			}
-			return ""
-		case strings.HasPrefix(sql, "/*"):
-			if i := strings.Index(sql, "*/"); i >= 0 {
-				sql = sql[i+2:]
-				continue
-			}
-			return ""
-		}
-		end := strings.IndexFunc(sql, func(r rune) bool {
-			return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r == '_')
-		})
-		if end < 0 {
-			return sql
-		}
-		return sql[:end]
+	sql = strings.TrimLeft(sql, " \t\r\n\f\v")
+	end := 0
+	for end < len(sql) && (sql[end] >= 'a' && sql[end] <= 'z' || sql[end] >= 'A' && sql[end] <= 'Z' || sql[end] == '_') {
+		end++
 	}
+	if end < len(sql) {
+		if c := sql[end]; c >= '0' && c <= '9' || c == '$' || c >= 0x80 {
+			return "" // the word runs on into an identifier
+		}
+	}
+	return sql[:end]
 }

@@ -250,7 +250,12 @@ func TestApplyRefusesBadInput(t *testing.T) {
 		"COMMIT":             {key("x"), day, func() *pgx.Batch { b := writesFor(fx, "x", 1); b.Queue(" commit"); return b }()},
 		"BEGIN after a note": {key("x"), day, func() *pgx.Batch { var b pgx.Batch; b.Queue("/* x */ -- y\n BEGIN"); return &b }()},
 		"SAVEPOINT":          {key("x"), day, func() *pgx.Batch { var b pgx.Batch; b.Queue("savepoint a"); return &b }()},
-		"a nil query":        {key("x"), day, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{nil}}},
+		"CALL behind nested comments": {key("x"), day, func() *pgx.Batch {
+			b := writesFor(fx, "x", 1)
+			b.Queue("/* /* */ INSERT */ CALL p()")
+			return b
+		}()},
+		"a nil query": {key("x"), day, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{nil}}},
 	} {
 		if _, err := s.Apply(ctx, tc.key, fpA, tc.retention, nil, tc.w); !errors.Is(err, dedup.ErrInvalidArgument) {
 			t.Errorf("%s: Apply = %v, want ErrInvalidArgument", name, err)
@@ -484,11 +489,19 @@ func TestApplyBadWrite(t *testing.T) {
 	forModes(t, func(t *testing.T, m mode) {
 		s := openStore(t, m.opts...)
 		fx := applyTables(t, s)
+		if _, err := s.Pool().Exec(context.Background(), `CREATE SEQUENCE `+fx+`_seq`); err != nil {
+			t.Fatal(err)
+		}
 		for name, w := range map[string]func() *pgx.Batch{
 			"a syntax error": func() *pgx.Batch { b := writesFor(fx, "w", 1); b.Queue(`INSERT INTO nowhere VALUES (`); return b },
 			"a missing table": func() *pgx.Batch {
 				b := writesFor(fx, "w", 1)
 				b.Queue(`INSERT INTO no_such_table VALUES (1)`)
+				return b
+			},
+			"currval before nextval (55000)": func() *pgx.Batch {
+				b := writesFor(fx, "w", 1)
+				b.Queue(`SELECT currval('` + fx + `_seq')`)
 				return b
 			},
 			"an unencodable argument": func() *pgx.Batch {
@@ -532,6 +545,11 @@ func TestApplyOtherQueryModes(t *testing.T) {
 		}
 		if _, err := s.Apply(context.Background(), key("q2"), fpA, day, nil, writesFor(fx, "q2", 5000)); pgCode(err) != "23514" {
 			t.Fatalf("mode %v: failing write = %v, want the CHECK violation", qm, err)
+		}
+		unencodable := writesFor(fx, "q2", 1)
+		unencodable.Queue(`INSERT INTO `+fx+` (msg_id) VALUES ($1)`, make(chan int))
+		if _, err := s.Apply(context.Background(), key("q2"), fpA, day, nil, unencodable); err == nil || dedup.IsStoreError(err) {
+			t.Fatalf("mode %v: an unencodable argument = %v, want the write's error, not a store error", qm, err)
 		}
 		mustApply(t, s, "q2", fpA, nil, writesFor(fx, "q2", 1), dedup.Acquired)
 		if n, tot := effects(t, s, fx, "q")+effects(t, s, fx, "q2"), total(t, s, fx); n != 2 || tot != 2 {
