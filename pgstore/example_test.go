@@ -49,3 +49,34 @@ func Example_inbox() {
 		// payload: nack with a delay, or dead-letter the mismatch.
 	}
 }
+
+// The same kind of consumer, when the writes are known before they run:
+// Apply sends the claim and the writes in one round trip, as one
+// transaction. The writes are plain DML.
+func ExampleStore_Apply() {
+	ctx := context.Background()
+	s, err := pgstore.Open(ctx, "postgres://app@db:5432/payments")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer s.Close()
+
+	msgID, body := "evt-7f3a", []byte(`{"account":"acc-9","amount":1999}`)
+	var w pgx.Batch
+	w.Queue(`INSERT INTO ledger (msg_id, account, amount) VALUES ($1, $2, $3)`, msgID, "acc-9", 1999)
+	w.Queue(`UPDATE balances SET amount = amount + $2 WHERE account = $1`, "acc-9", 1999)
+	key := dedup.Key{Scope: "payments/ledger-consumer", ID: msgID}
+	c, err := s.Apply(ctx, key, dedup.FingerprintOf(body), 24*time.Hour, nil, &w)
+	switch {
+	case dedup.IsStoreError(err):
+		// Nack: the broker redelivers (fail closed).
+	case err != nil:
+		// A write failed (a constraint, say): nothing was applied. Retry
+		// or dead-letter by its class.
+	case c.Outcome == dedup.Acquired, c.Outcome == dedup.Duplicate:
+		// Ack.
+	default:
+		// In progress elsewhere, or the key was reused for another
+		// payload.
+	}
+}
