@@ -175,15 +175,20 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 	}
 	b.Queue(stmt, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result)
 	// The claim fails by design on a duplicate, and pgx drops a failed
-	// batch's statements from its statement cache, to be prepared again on
-	// their next use. Prepared explicitly (once per connection; later calls
-	// do no I/O), the store's statements stay prepared. Only in pgx's
-	// default mode: a pool set up for a transaction pooler prepares nothing.
-	// So are the block's COMMIT and ROLLBACK, and the read of a duplicate,
-	// which must not be prepared while the block is aborted.
-	if cached(conn.Conn()) {
-		for _, q := range append(b.QueuedQueries, &pgx.QueuedQuery{SQL: commitSQL}, &pgx.QueuedQuery{SQL: rollbackSQL}, &pgx.QueuedQuery{SQL: s.sql.applyCurrent}) {
-			if _, err := conn.Conn().Prepare(ctx, q.SQL, q.SQL); err != nil {
+	// batch's statements from its statement cache, to be prepared again
+	// on their next use. In pgx's default mode the store's statements are
+	// prepared by name instead (once per connection; later calls do no
+	// I/O), and so stay prepared, the read of a duplicate and the block's
+	// ROLLBACK included, which could not be prepared while the block is
+	// aborted. Other modes (a pool set up for a transaction pooler)
+	// prepare nothing.
+	if mode == pgx.QueryExecModeCacheStatement {
+		prep := []string{stmt, s.sql.applyCurrent}
+		if block {
+			prep = append(prep, beginRC, s.sql.lock, commitSQL, rollbackSQL)
+		}
+		for _, q := range prep {
+			if _, err := conn.Conn().Prepare(ctx, q, q); err != nil {
 				return c, nil, s.fail(ctx, "apply prepare", err, true)
 			}
 		}
@@ -249,12 +254,6 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 	return c, nil, nil
 }
 
-// cached reports whether conn runs in pgx's default mode, where Apply
-// prepares its statements by name.
-func cached(conn *pgx.Conn) bool {
-	return conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement
-}
-
 // readTaken reads the record of key after a claim that found it taken,
 // rolling back the claim's aborted block first if it ran in one: one
 // round trip on conn (two in a mode where pgx describes a statement
@@ -273,7 +272,7 @@ func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, block bool, key d
 	switch {
 	case !block:
 		err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
-	case cached(conn):
+	case conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement:
 		b := &pgx.Batch{}
 		b.Queue(rollbackSQL)
 		b.Queue(s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp))
