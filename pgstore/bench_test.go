@@ -249,6 +249,64 @@ func interleave(b *testing.B, par, block int, cases []func(id string) error) []f
 	return tps
 }
 
+// BenchmarkCompleteBatch completes 100 claims acquired by one ClaimBatch
+// (outside the timer): one Complete each (100 commits, the fallback
+// dedup.CompleteBatch uses for a store without batch completions), or one
+// Store.CompleteBatch (one UPDATE over unnest, one commit), on both
+// layouts, from one goroutine.
+func BenchmarkCompleteBatch(b *testing.B) {
+	s, _ := benchStore(b)
+	sp, _ := benchStore(b, pgstore.WithPartitions(24*time.Hour))
+	ctx := context.Background()
+	const size = 100
+	g := newIDs()
+	claim := func(b *testing.B, st *pgstore.Store) []dedup.Completion {
+		reqs := make([]dedup.ClaimRequest, size)
+		for i := range reqs {
+			reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: g.next()}, Fingerprint: fpA}
+		}
+		cs, err := st.ClaimBatch(ctx, reqs, time.Minute)
+		if err != nil {
+			b.Fatal(err)
+		}
+		items := make([]dedup.Completion, size)
+		for i, c := range cs {
+			items[i] = dedup.Completion{Claim: c, Result: []byte("ok")}
+		}
+		return items
+	}
+	for _, l := range []struct {
+		name string
+		st   *pgstore.Store
+	}{{"plain", s}, {"partitioned", sp}} {
+		b.Run("one-complete-each/"+l.name, func(b *testing.B) {
+			for b.Loop() {
+				b.StopTimer()
+				items := claim(b, l.st)
+				b.StartTimer()
+				for _, it := range items {
+					if err := l.st.Complete(ctx, it.Claim, it.Result, time.Hour); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			perSecond(b, b.N*size, "completions/s")
+		})
+		b.Run("complete-batch/"+l.name, func(b *testing.B) {
+			for b.Loop() {
+				b.StopTimer()
+				items := claim(b, l.st)
+				b.StartTimer()
+				errs, err := l.st.CompleteBatch(ctx, items, time.Hour)
+				if err != nil || errs[size-1] != nil {
+					b.Fatal(err, errs[size-1])
+				}
+			}
+			perSecond(b, b.N*size, "completions/s")
+		})
+	}
+}
+
 // BenchmarkInbox compares a business transaction that inserts one ledger
 // row (BEGIN, INSERT, COMMIT; the ledger has a serial primary key, as
 // ledgers do) with the same transaction through RunInbox, which adds the
