@@ -396,9 +396,8 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 // CompleteBatch implements [dedup.BatchCompleter] in one pipeline: the
 // items whose keys share a slot (every key, on a server that is not a
 // cluster) are completed by one script call, up to maxScriptKeys keys
-// each, and an item alone in its slot by the complete script. Each item is
-// fenced by its own token, as Complete fences it. A failed script call
-// fails only its own items.
+// each. Each item is fenced by its own token, as Complete fences it. A
+// failed script call fails only its own items.
 func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, retention time.Duration) ([]error, error) {
 	if err := dedup.ValidateCompleteBatch(items, retention); err != nil {
 		return nil, err
@@ -417,11 +416,6 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	groups := s.groups(keys)
 	calls := make([]call, len(groups))
 	for g, idx := range groups {
-		if len(idx) == 1 {
-			it := &items[idx[0]]
-			calls[g] = call{s.complete, keys[idx[0] : idx[0]+1], []string{string(it.Claim.Token[:]), string(it.Result), ret}}
-			continue
-		}
 		ks, args := make([]string, len(idx)), make([]string, 1, 1+2*len(idx))
 		args[0] = ret
 		for j, i := range idx {
@@ -433,10 +427,6 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	errs := make([]error, len(items))
 	for g, res := range execCalls(ctx, s.client, calls) {
 		idx := groups[g]
-		if len(idx) == 1 {
-			errs[idx[0]] = s.fenced("complete", res)
-			continue
-		}
 		vals, err := res.ToArray()
 		if err == nil && len(vals) != len(idx) {
 			err = fmt.Errorf("complete script answered %d values for %d keys", len(vals), len(idx))
