@@ -200,7 +200,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, fp dedup.Fingerprint, leas
 		r = new(record)
 		sh.m[key] = r
 	}
-	*r = record{token: dedup.NewToken(), fp: fp, until: now + int64(lease), attempt: attempt}
+	*r = record{token: dedup.NewToken(), fp: fp, until: dedup.DeadlineNanos(now, lease), attempt: attempt}
 	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: r.token, Attempt: int(attempt),
 		TakenOver: attempt > 1, LeaseUntil: s.time(r.until)}, nil
 }
@@ -259,7 +259,7 @@ func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retentio
 	case r.completed: // the same owner completing again: no change
 		return nil
 	}
-	r.completed, r.result, r.until = true, clone(result), s.now()+int64(retention)
+	r.completed, r.result, r.until = true, clone(result), dedup.DeadlineNanos(s.now(), retention)
 	return nil
 }
 
@@ -318,7 +318,7 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if !ok || r.token != c.Token || r.completed {
 		return c, dedup.ErrLeaseLost
 	}
-	r.until = s.now() + int64(lease)
+	r.until = dedup.DeadlineNanos(s.now(), lease)
 	c.LeaseUntil = s.time(r.until)
 	return c, nil
 }

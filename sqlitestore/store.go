@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"math"
 	"net/url"
 	"path/filepath"
 	"runtime"
@@ -339,13 +338,8 @@ func (s *Store) fail(ctx context.Context, op string, err error, notApplied bool)
 	return &dedup.StoreError{Store: storeName, Op: op, Err: err, NotApplied: notApplied}
 }
 
-// addNanos returns t + d, saturating instead of overflowing for a very
-// long lease or retention.
-func addNanos(t int64, d time.Duration) int64 {
-	if d > 0 && t > math.MaxInt64-int64(d) {
-		return math.MaxInt64
-	}
-	return t + int64(d)
-}
+// addNanos returns t + d, saturating at dedup.MaxTime instead of
+// overflowing for a very long lease or retention.
+func addNanos(t int64, d time.Duration) int64 { return dedup.DeadlineNanos(t, d) }
 
 func fromNanos(n int64) time.Time { return time.Unix(0, n).UTC() }
