@@ -63,3 +63,19 @@ type Source interface {
 	// Fail records failed attempts, under the same fencing as Mark.
 	Fail(ctx context.Context, l Lease, failures []Failure) error
 }
+
+// A Notifier is a [Source] that can wake the relay when rows are written
+// (PostgreSQL's LISTEN/NOTIFY). Listen calls wake after each
+// notification until ctx is done (then it returns nil) or its connection
+// fails (an error; the relay listens again after a pause, and polls
+// meanwhile).
+type Notifier interface {
+	Listen(ctx context.Context, wake func()) error
+}
+
+// A Pruner is a [Source] that deletes published rows after a retention:
+// up to limit rows published more than olderThan ago, returning how many.
+// It never deletes an unpublished row.
+type Pruner interface {
+	Prune(ctx context.Context, olderThan time.Duration, limit int) (int, error)
+}

@@ -3,12 +3,9 @@ package pgstore
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/dedupkit/dedup"
 	"github.com/jackc/pgx/v5"
@@ -325,109 +322,3 @@ func validateInbox(key dedup.Key, fp dedup.Fingerprint, retention time.Duration,
 	return dedup.ValidateClaim(key, fp, retention)
 }
 
-// An OutboxMessage is one outgoing message, written to the outbox table in
-// the caller's transaction for a relay to publish after the commit.
-type OutboxMessage struct {
-	// Key is the stable ID of the logical event, which the relay publishes
-	// as the message ID on every attempt, so that consumers deduplicate
-	// its retries. Empty: a random ID is drawn once, here, and stored with
-	// the row (never per publish attempt).
-	Key string
-	// Aggregate names the entity the message is about ("order/42"), for
-	// a relay that keeps per-aggregate order. Optional.
-	Aggregate string
-	// Topic is where the relay publishes it. Required.
-	Topic string
-	// Payload is the message body.
-	Payload []byte
-	// Headers are published with the message.
-	Headers map[string]string
-}
-
-func (m *OutboxMessage) args() ([]any, error) {
-	if m.Topic == "" {
-		return nil, &dedup.ArgumentError{Arg: "outbox topic", Reason: "is empty"}
-	}
-	key := m.Key
-	if key == "" {
-		key = "outbox:" + dedup.NewToken().String()
-	}
-	check := func(arg, v string) error {
-		if !utf8.ValidString(v) || strings.IndexByte(v, 0) >= 0 {
-			return &dedup.ArgumentError{Arg: arg, Reason: "is not valid UTF-8 or contains NUL"}
-		}
-		return nil
-	}
-	for _, f := range []struct{ arg, v string }{{"outbox key", key}, {"outbox aggregate", m.Aggregate}, {"outbox topic", m.Topic}} {
-		if err := check(f.arg, f.v); err != nil {
-			return nil, err
-		}
-	}
-	for k, v := range m.Headers {
-		if err := check("outbox header "+k, k+v); err != nil {
-			return nil, err
-		}
-	}
-	headers := []byte("{}")
-	if len(m.Headers) > 0 {
-		var err error
-		if headers, err = json.Marshal(m.Headers); err != nil {
-			return nil, &dedup.ArgumentError{Arg: "outbox headers", Reason: err.Error()}
-		}
-	}
-	payload := m.Payload
-	if payload == nil {
-		payload = []byte{}
-	}
-	return []any{key, m.Aggregate, m.Topic, payload, string(headers)}, nil
-}
-
-// EnqueueOutbox writes msgs to the outbox table in the caller's
-// transaction tx, in one round trip: call it from an [InboxHandler] so
-// that the outgoing messages commit with the business write and the inbox
-// record, or not at all. Like Inbox it takes a transaction, never a pool.
-func (s *Store) EnqueueOutbox(ctx context.Context, tx pgx.Tx, msgs ...OutboxMessage) error {
-	if tx == nil {
-		return &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
-	}
-	var b pgx.Batch
-	for i := range msgs {
-		args, err := msgs[i].args()
-		if err != nil {
-			return err
-		}
-		b.Queue(s.sql.outbox, args...)
-	}
-	if err := s.begin(ctx, "outbox"); err != nil || len(msgs) == 0 {
-		return err
-	}
-	if err := tx.SendBatch(ctx, &b).Close(); err != nil {
-		return s.fail(ctx, "outbox", err, false)
-	}
-	return nil
-}
-
-// EnqueueOutboxSQL is [Store.EnqueueOutbox] for a database/sql
-// transaction.
-func (s *Store) EnqueueOutboxSQL(ctx context.Context, tx *sql.Tx, msgs ...OutboxMessage) error {
-	if tx == nil {
-		return &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
-	}
-	all := make([][]any, len(msgs))
-	for i := range msgs {
-		args, err := msgs[i].args()
-		if err != nil {
-			return err
-		}
-		all[i] = args
-	}
-	if err := s.begin(ctx, "outbox"); err != nil {
-		return err
-	}
-	for _, args := range all {
-		if _, err := tx.ExecContext(ctx, s.sql.outbox, args...); err != nil {
-			return s.fail(ctx, "outbox", err, false)
-		}
-	}
-	return nil
-}

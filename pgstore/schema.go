@@ -57,7 +57,7 @@ var migrations = func() []migration {
 
 // SchemaVersion is the schema version this package needs: the number of
 // its last migration.
-const SchemaVersion = 4
+const SchemaVersion = 5
 
 func init() {
 	if len(migrations) != SchemaVersion {

@@ -1,0 +1,328 @@
+package pgstore
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/outbox"
+	"github.com/jackc/pgx/v5"
+)
+
+// OutboxSource is the store's outbox table as an [outbox.Source] for
+// [outbox.NewRelay]: partitions of the aggregate key's hash
+// (hashtextextended(aggregate, 0) mod N), leases in
+// <prefix>outbox_leases with a fencing epoch, relays alive in
+// <prefix>outbox_relays. Get one with [Store.OutboxSource].
+type OutboxSource struct {
+	s      *Store
+	n      int
+	delete bool
+	sql    outboxSQL
+}
+
+type outboxSQL struct {
+	join, leave, acquire, release, fetch, mark, fail string
+}
+
+var (
+	_ outbox.Source   = (*OutboxSource)(nil)
+	_ outbox.Notifier = (*OutboxSource)(nil)
+	_ outbox.Pruner   = (*OutboxSource)(nil)
+)
+
+// An OutboxOption configures [Store.OutboxSource].
+type OutboxOption interface{ applyOutbox(*OutboxSource) }
+
+type outboxOptionFunc func(*OutboxSource)
+
+func (f outboxOptionFunc) applyOutbox(o *OutboxSource) { f(o) }
+
+// WithOutboxPartitions splits the key space into n partitions (1 to
+// 4096), the unit a relay leases. Default 16. Every relay of one outbox
+// must use the same n: a relay refuses to join while relays with another
+// n are alive.
+func WithOutboxPartitions(n int) OutboxOption {
+	return outboxOptionFunc(func(o *OutboxSource) { o.n = n })
+}
+
+// WithOutboxDeletePublished makes marking delete the published rows
+// instead of setting their published_at. Default: keep them for
+// [OutboxSource.Prune] to delete after a retention.
+func WithOutboxDeletePublished() OutboxOption {
+	return outboxOptionFunc(func(o *OutboxSource) { o.delete = true })
+}
+
+// OutboxSource returns the outbox table as a relay's source. A bad
+// option is an [*dedup.ArgumentError].
+func (s *Store) OutboxSource(opts ...OutboxOption) (*OutboxSource, error) {
+	o := &OutboxSource{s: s, n: 16}
+	for _, opt := range opts {
+		if opt != nil {
+			opt.applyOutbox(o)
+		}
+	}
+	if o.n < 1 || o.n > 4096 {
+		return nil, &dedup.ArgumentError{Arg: "outbox partitions", Reason: "must be between 1 and 4096, got " + itoa(o.n)}
+	}
+	o.sql = s.outboxSQL(o.delete)
+	return o, nil
+}
+
+// The partition of a row, by the hash of its aggregate key.
+const partExpr = `((hashtextextended(o.aggregate, 0) & 9223372036854775807) % $1::int8)::int`
+
+func (s *Store) outboxSQL(del bool) outboxSQL {
+	ob, leases, relays := s.names.outbox, s.names.qualify("outbox_leases"), s.names.qualify("outbox_relays")
+	now := `statement_timestamp()`
+	usec := func(p string) string { return `(` + p + `::int8 * interval '1 microsecond')` }
+	// held locks the lease row of the caller's partition and epoch FOR
+	// SHARE: a concurrent take-over (an UPDATE of that row) waits for
+	// this statement, or this statement, re-reading the row after the
+	// take-over committed, finds another epoch and changes nothing.
+	held := `held AS (SELECT 1 FROM ` + leases + ` WHERE part = $1::int AND owner = $2::text AND epoch = $3::int8 FOR SHARE)`
+	markSet := `UPDATE ` + ob + ` o SET published_at = ` + now + `, next_attempt_at = NULL`
+	if del {
+		markSet = `DELETE FROM ` + ob + ` o`
+	}
+	return outboxSQL{
+		join: `WITH up AS (
+	INSERT INTO ` + relays + ` (relay, partitions, expires_at) VALUES ($1::text, $2::int, ` + now + ` + ` + usec("$3") + `)
+	ON CONFLICT (relay) DO UPDATE SET partitions = EXCLUDED.partitions, expires_at = EXCLUDED.expires_at
+	RETURNING 1),
+gone AS (DELETE FROM ` + relays + ` WHERE expires_at < ` + now + ` - interval '1 day' RETURNING 1)
+SELECT count(*) FILTER (WHERE partitions = $2::int), count(*) FILTER (WHERE partitions <> $2::int)
+FROM ` + relays + ` WHERE relay <> $1::text AND expires_at > ` + now,
+		leave: `WITH r AS (DELETE FROM ` + relays + ` WHERE relay = $1::text RETURNING 1)
+UPDATE ` + leases + ` SET owner = '', expires_at = '-infinity' WHERE owner = $1::text`,
+		acquire: `INSERT INTO ` + leases + ` AS l (part, partitions, owner, epoch, expires_at)
+VALUES ($1::int, $2::int, $3::text, 1, ` + now + ` + ` + usec("$4") + `)
+ON CONFLICT (part) DO UPDATE SET
+	partitions = EXCLUDED.partitions,
+	epoch = CASE WHEN l.owner = EXCLUDED.owner THEN l.epoch ELSE l.epoch + 1 END,
+	owner = EXCLUDED.owner,
+	expires_at = EXCLUDED.expires_at
+WHERE l.owner = EXCLUDED.owner OR l.expires_at <= ` + now + `
+RETURNING epoch, expires_at`,
+		release: `UPDATE ` + leases + ` SET owner = '', expires_at = '-infinity' WHERE part = $1::int AND owner = $2::text AND epoch = $3::int8`,
+		fetch: `SELECT o.id, o.message_key, o.aggregate, o.topic, o.payload, o.headers::text, o.created_at, o.attempts,
+	COALESCE(o.next_attempt_at > ` + now + `, false)
+FROM ` + ob + ` o
+WHERE o.published_at IS NULL AND o.quarantined_at IS NULL AND ` + partExpr + ` = $2::int
+	AND ($4::bool OR NOT EXISTS (SELECT 1 FROM ` + ob + ` q
+		WHERE q.aggregate = o.aggregate AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL AND q.id < o.id))
+ORDER BY o.id
+LIMIT $3::int`,
+		mark: `WITH ` + held + `,
+done AS (` + markSet + ` WHERE o.id = ANY($4::int8[]) AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held) RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM held), (SELECT count(*) FROM done)`,
+		fail: `WITH ` + held + `,
+f AS (SELECT * FROM unnest($4::int8[], $5::text[], $6::int8[], $7::bool[]) AS f(id, err, delay, q)),
+done AS (UPDATE ` + ob + ` o SET attempts = o.attempts + 1, last_error = f.err,
+	next_attempt_at = ` + now + ` + ` + usec("f.delay") + `,
+	quarantined_at = CASE WHEN f.q THEN ` + now + ` END
+FROM f WHERE o.id = f.id AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held) RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM held), (SELECT count(*) FROM done)`,
+	}
+}
+
+// Partitions implements [outbox.Source].
+func (o *OutboxSource) Partitions() int { return o.n }
+
+// Join implements [outbox.Source]. It fails when relays with another
+// partition count are alive.
+func (o *OutboxSource) Join(ctx context.Context, relay string, ttl time.Duration) (int, error) {
+	if err := o.s.begin(ctx, "outbox join"); err != nil {
+		return 0, err
+	}
+	var same, other int
+	if err := o.s.pool.QueryRow(ctx, o.sql.join, relay, o.n, saturating(ttl)).Scan(&same, &other); err != nil {
+		return 0, o.s.failAuto(ctx, "outbox join", err)
+	}
+	if other > 0 {
+		return 0, fmt.Errorf("pgstore: outbox relay %s with %d partitions: %d %w", relay, o.n, other, errOutboxPartitions)
+	}
+	return same + 1, nil
+}
+
+// Leave implements [outbox.Source].
+func (o *OutboxSource) Leave(ctx context.Context, relay string) error {
+	if err := o.s.begin(ctx, "outbox leave"); err != nil {
+		return err
+	}
+	if _, err := o.s.pool.Exec(ctx, o.sql.leave, relay); err != nil {
+		return o.s.failAuto(ctx, "outbox leave", err)
+	}
+	return nil
+}
+
+// Acquire implements [outbox.Source].
+func (o *OutboxSource) Acquire(ctx context.Context, relay string, p int, ttl time.Duration) (outbox.Lease, bool, error) {
+	l := outbox.Lease{Partition: p, Owner: relay}
+	if p < 0 || p >= o.n {
+		return l, false, &dedup.ArgumentError{Arg: "outbox partition", Reason: "out of range: " + itoa(p)}
+	}
+	if err := o.s.begin(ctx, "outbox acquire"); err != nil {
+		return l, false, err
+	}
+	err := o.s.pool.QueryRow(ctx, o.sql.acquire, p, o.n, relay, saturating(ttl)).Scan(&l.Epoch, &l.Until)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return l, false, nil
+	}
+	if err != nil {
+		return l, false, o.s.failAuto(ctx, "outbox acquire", err)
+	}
+	return l, true, nil
+}
+
+// Release implements [outbox.Source].
+func (o *OutboxSource) Release(ctx context.Context, l outbox.Lease) error {
+	if err := o.s.begin(ctx, "outbox release"); err != nil {
+		return err
+	}
+	if _, err := o.s.pool.Exec(ctx, o.sql.release, l.Partition, l.Owner, l.Epoch); err != nil {
+		return o.s.failAuto(ctx, "outbox release", err)
+	}
+	return nil
+}
+
+// Fetch implements [outbox.Source].
+func (o *OutboxSource) Fetch(ctx context.Context, l outbox.Lease, limit int, skipBlocked bool) ([]outbox.Message, error) {
+	if err := o.s.begin(ctx, "outbox fetch"); err != nil {
+		return nil, err
+	}
+	rows, err := o.s.pool.Query(ctx, o.sql.fetch, o.n, l.Partition, limit, skipBlocked)
+	if err != nil {
+		return nil, o.s.failAuto(ctx, "outbox fetch", err)
+	}
+	defer rows.Close()
+	var out []outbox.Message
+	var later map[string]bool
+	for rows.Next() {
+		var m outbox.Message
+		var headers string
+		var notDue bool
+		if err := rows.Scan(&m.Seq, &m.ID, &m.Key, &m.Topic, &m.Payload, &headers, &m.CreatedAt, &m.Attempts, &notDue); err != nil {
+			return nil, o.s.failAuto(ctx, "outbox fetch", err)
+		}
+		if notDue || later[m.Key] {
+			// This key waits for its row's retry time: none of its later
+			// rows may overtake it.
+			if later == nil {
+				later = map[string]bool{}
+			}
+			later[m.Key] = true
+			continue
+		}
+		if headers != "{}" {
+			if err := json.Unmarshal([]byte(headers), &m.Headers); err != nil {
+				return nil, o.s.failAuto(ctx, "outbox fetch", err)
+			}
+		}
+		out = append(out, m)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, o.s.failAuto(ctx, "outbox fetch", err)
+	}
+	return out, nil
+}
+
+// Mark implements [outbox.Source]: one statement, fenced by the lease's
+// epoch.
+func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) error {
+	if len(seqs) == 0 {
+		return nil
+	}
+	if err := o.s.begin(ctx, "outbox mark"); err != nil {
+		return err
+	}
+	var held bool
+	var n int
+	if err := o.s.pool.QueryRow(ctx, o.sql.mark, l.Partition, l.Owner, l.Epoch, seqs).Scan(&held, &n); err != nil {
+		return o.s.failAuto(ctx, "outbox mark", err)
+	}
+	if !held {
+		return outbox.ErrLeaseLost
+	}
+	return nil
+}
+
+// Fail implements [outbox.Source]: one statement, fenced like Mark.
+func (o *OutboxSource) Fail(ctx context.Context, l outbox.Lease, fs []outbox.Failure) error {
+	if len(fs) == 0 {
+		return nil
+	}
+	if err := o.s.begin(ctx, "outbox fail"); err != nil {
+		return err
+	}
+	ids, errs, delays, qs := make([]int64, len(fs)), make([]string, len(fs)), make([]int64, len(fs)), make([]bool, len(fs))
+	for i, f := range fs {
+		ids[i], errs[i], delays[i], qs[i] = f.Seq, f.Err, saturating(max(f.RetryAfter, 0)), f.Quarantine
+	}
+	var held bool
+	var n int
+	if err := o.s.pool.QueryRow(ctx, o.sql.fail, l.Partition, l.Owner, l.Epoch, ids, errs, delays, qs).Scan(&held, &n); err != nil {
+		return o.s.failAuto(ctx, "outbox fail", err)
+	}
+	if !held {
+		return outbox.ErrLeaseLost
+	}
+	return nil
+}
+
+// Listen implements [outbox.Notifier]: it LISTENs on [Store.OutboxChannel]
+// on a connection of its own and calls wake after each notification, until
+// ctx is done or the connection fails. It does not work through a
+// transaction-mode pooler (PgBouncer): run the relay poll-only there.
+func (o *OutboxSource) Listen(ctx context.Context, wake func()) error {
+	if err := o.s.begin(ctx, "outbox listen"); err != nil {
+		return err
+	}
+	conn, err := o.s.pool.Acquire(ctx)
+	if err != nil {
+		return o.s.fail(ctx, "outbox listen", err, true)
+	}
+	// The session now listens: never give it back to the pool.
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		conn.Conn().Close(cctx)
+		conn.Release()
+	}()
+	if _, err := conn.Exec(ctx, `LISTEN `+pgx.Identifier{o.s.OutboxChannel()}.Sanitize()); err != nil {
+		return o.s.fail(ctx, "outbox listen", err, true)
+	}
+	wake() // rows may have been written before LISTEN
+	for {
+		if _, err := conn.Conn().WaitForNotification(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return o.s.fail(ctx, "outbox listen", err, true)
+		}
+		wake()
+	}
+}
+
+// Prune implements [outbox.Pruner]: it deletes up to limit rows published
+// more than olderThan ago, oldest first, in one statement, and returns how
+// many. It never deletes an unpublished row.
+func (o *OutboxSource) Prune(ctx context.Context, olderThan time.Duration, limit int) (int, error) {
+	if limit <= 0 {
+		return 0, &dedup.ArgumentError{Arg: "prune limit", Reason: "must be positive"}
+	}
+	if err := o.s.begin(ctx, "outbox prune"); err != nil {
+		return 0, err
+	}
+	ob := o.s.names.outbox
+	tag, err := o.s.pool.Exec(ctx, `DELETE FROM `+ob+` WHERE id IN (SELECT id FROM `+ob+`
+WHERE published_at IS NOT NULL AND published_at < statement_timestamp() - ($1::int8 * interval '1 microsecond')
+ORDER BY published_at LIMIT $2::int)`, saturating(max(olderThan, 0)), limit)
+	if err != nil {
+		return 0, o.s.failAuto(ctx, "outbox prune", err)
+	}
+	return int(tag.RowsAffected()), nil
+}
