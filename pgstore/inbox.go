@@ -321,4 +321,3 @@ func validateInbox(key dedup.Key, fp dedup.Fingerprint, retention time.Duration,
 	}
 	return dedup.ValidateClaim(key, fp, retention)
 }
-
