@@ -53,6 +53,11 @@ var ErrNotSent = errors.New("outbox: message not sent")
 // mark rows of that partition and stops working on it.
 var ErrLeaseLost = errors.New("outbox: partition lease lost")
 
+// ErrPartitionMismatch is returned by [Source.Join] when relays with
+// another partition count are alive on the same outbox: the relay stops
+// rather than break per-key order.
+var ErrPartitionMismatch = errors.New("outbox: relays with another partition count are alive")
+
 // Permanent wraps err to say that publishing the message again cannot
 // succeed: the relay quarantines the row at once instead of retrying it.
 // Permanent(nil) is nil.

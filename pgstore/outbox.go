@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
-	"errors"
 	"time"
 
 	"github.com/dedupkit/dedup"
@@ -135,8 +134,6 @@ func saturating(d time.Duration) int64 {
 	const century = 100 * 365 * 24 * time.Hour
 	return micros(min(max(d, -century), century))
 }
-
-var errOutboxPartitions = errors.New("relays with a different partition count are alive")
 
 // An OutboxMessage is one outgoing message in the form of the first
 // outbox API; [outbox.Message] is the current one.

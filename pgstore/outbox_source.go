@@ -143,7 +143,7 @@ func (o *OutboxSource) Join(ctx context.Context, relay string, ttl time.Duration
 		return 0, o.s.failAuto(ctx, "outbox join", err)
 	}
 	if other > 0 {
-		return 0, fmt.Errorf("pgstore: outbox relay %s with %d partitions: %d %w", relay, o.n, other, errOutboxPartitions)
+		return 0, fmt.Errorf("pgstore: outbox relay %s with %d partitions: %d %w", relay, o.n, other, outbox.ErrPartitionMismatch)
 	}
 	return same + 1, nil
 }

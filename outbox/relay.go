@@ -1,0 +1,531 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dedupkit/dedup"
+)
+
+// ErrRelayRunning is returned by [Relay.Run] when the relay already runs.
+var ErrRelayRunning = errors.New("outbox: relay already running")
+
+// A Relay publishes the rows of a [Source] through a [Publisher]. It
+// joins the source's relays, takes its fair share of the partitions
+// (ceil(N / relays alive)) under leases it renews every third of their
+// TTL, and runs one goroutine per partition held: read a batch, publish
+// it with the broker's asynchronous acknowledgements, mark what was
+// acknowledged (per key, the prefix before its first failure) in one
+// statement, record the failures in another. Several relays on one
+// source split the partitions; a crashed relay's partitions are taken
+// over when its leases end; a relay whose lease was taken over cannot
+// mark (fencing by epoch).
+type Relay struct {
+	src Source
+	pub Publisher
+	cfg config
+
+	running atomic.Bool
+	mu      sync.Mutex
+	cancel  context.CancelFunc
+	done    chan struct{}
+
+	stats struct {
+		published, failed, quarantined, batches, leaseLost atomic.Int64
+		held                                               atomic.Int64
+	}
+}
+
+// Stats are a relay's counters since it was made.
+type Stats struct {
+	Published   int64 // messages acknowledged and marked
+	Failed      int64 // failed attempts recorded
+	Quarantined int64 // messages quarantined
+	Batches     int64 // batches published
+	LeaseLost   int64 // marks refused because a lease was taken over
+	Partitions  int   // partitions held now
+}
+
+// NewRelay returns a relay of src through pub. Bad arguments are an
+// [*dedup.ArgumentError].
+func NewRelay(src Source, pub Publisher, opts ...Option) (*Relay, error) {
+	if src == nil {
+		return nil, bad("source", "is nil")
+	}
+	if pub == nil {
+		return nil, bad("publisher", "is nil")
+	}
+	cfg := defaultConfig()
+	for _, o := range opts {
+		if o != nil {
+			o.apply(&cfg)
+		}
+	}
+	if cfg.id == "" {
+		host, _ := os.Hostname()
+		if host == "" || !printable(host) {
+			host = "relay"
+		}
+		cfg.id = fmt.Sprintf("%s-%d-%s", host, os.Getpid(), NewID("")[24:])
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if src.Partitions() < 1 {
+		return nil, bad("source", "has no partitions")
+	}
+	return &Relay{src: src, pub: pub, cfg: cfg}, nil
+}
+
+// ID is the relay's name in the lease table.
+func (r *Relay) ID() string { return r.cfg.id }
+
+// Stats returns the relay's counters.
+func (r *Relay) Stats() Stats {
+	return Stats{
+		Published: r.stats.published.Load(), Failed: r.stats.failed.Load(), Quarantined: r.stats.quarantined.Load(),
+		Batches: r.stats.batches.Load(), LeaseLost: r.stats.leaseLost.Load(), Partitions: int(r.stats.held.Load()),
+	}
+}
+
+// Close stops a running relay as a cancelled Run context does, and waits
+// for Run to return. It is safe to call at any time, more than once.
+func (r *Relay) Close() error {
+	r.mu.Lock()
+	cancel, done := r.cancel, r.done
+	r.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
+	return nil
+}
+
+// worker is the goroutine of one held partition.
+type worker struct {
+	lease   atomic.Pointer[Lease]
+	renewed atomic.Int64 // local monotonic nanoseconds of the last renewal
+	wake    chan struct{}
+	stop    chan struct{} // closed to stop after the current batch
+	done    chan struct{}
+}
+
+// crash is the error that makes Run stop as if the process died.
+type crash struct{ err error }
+
+// Run runs the relay until ctx is done or [Relay.Close] is called: then
+// each partition finishes its batch in flight (publish, mark), the
+// leases are released and the relay leaves, on a detached context with
+// its own timeout, and Run returns nil. A source error is logged and
+// retried; Run returns an error only for a misconfiguration found by the
+// source (relays with another partition count) or a mark hook's error.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return ErrRelayRunning
+	}
+	defer r.running.Store(false)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r.mu.Lock()
+	r.cancel, r.done = cancel, make(chan struct{})
+	done := r.done
+	r.mu.Unlock()
+	defer close(done)
+
+	var (
+		wmu     sync.Mutex
+		workers = map[int]*worker{}
+		crashed = make(chan error, 1)
+		bg      sync.WaitGroup
+	)
+	wakeAll := func() {
+		wmu.Lock()
+		for _, w := range workers {
+			select {
+			case w.wake <- struct{}{}:
+			default:
+			}
+		}
+		wmu.Unlock()
+	}
+	if n, ok := r.src.(Notifier); ok && !r.cfg.pollOnly {
+		bg.Go(func() { r.listen(ctx, n, wakeAll) })
+	}
+	if p, ok := r.src.(Pruner); ok && r.cfg.keep > 0 {
+		bg.Go(func() { r.prune(ctx, p) })
+	}
+	stopWorker := func(p int, w *worker) {
+		close(w.stop)
+		<-w.done
+		wmu.Lock()
+		delete(workers, p)
+		wmu.Unlock()
+		r.stats.held.Add(-1)
+	}
+	start := func(l Lease) {
+		w := &worker{wake: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{})}
+		w.lease.Store(&l)
+		w.renewed.Store(nanotime())
+		wmu.Lock()
+		workers[l.Partition] = w
+		wmu.Unlock()
+		r.stats.held.Add(1)
+		r.cfg.logger.Info("outbox relay took partition", "relay", r.cfg.id, "partition", l.Partition, "epoch", l.Epoch)
+		go func() {
+			defer close(w.done)
+			if err := r.work(ctx, w); err != nil {
+				select {
+				case crashed <- err:
+				default:
+				}
+			}
+		}()
+	}
+	n := r.src.Partitions()
+	offset := int(hash32(r.cfg.id) % uint32(n))
+	beat := r.cfg.ttl / 3
+	var runErr error
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+loop:
+	for {
+		select {
+		case <-ctx.Done():
+			break loop
+		case err := <-crashed:
+			runErr = err
+			break loop
+		case <-timer.C:
+		}
+		alive, err := r.src.Join(ctx, r.cfg.id, r.cfg.ttl)
+		if err != nil {
+			if ctx.Err() != nil {
+				break loop
+			}
+			if errors.Is(err, ErrPartitionMismatch) || errors.Is(err, dedup.ErrInvalidArgument) {
+				runErr = err
+				break loop
+			}
+			r.cfg.logger.Warn("outbox relay heartbeat failed", "relay", r.cfg.id, "err", err)
+			alive = 1
+		}
+		fair := (n + alive - 1) / alive
+		if r.cfg.maxParts > 0 {
+			fair = min(fair, r.cfg.maxParts)
+		}
+		// Renew what we hold; stop a partition whose lease changed
+		// hands or could not be renewed for a whole TTL.
+		wmu.Lock()
+		held := make(map[int]*worker, len(workers))
+		for p, w := range workers {
+			held[p] = w
+		}
+		wmu.Unlock()
+		for p, w := range held {
+			l, ok, err := r.src.Acquire(ctx, r.cfg.id, p, r.cfg.ttl)
+			old := w.lease.Load()
+			switch {
+			case err != nil:
+				if time.Duration(nanotime()-w.renewed.Load()) >= r.cfg.ttl {
+					r.cfg.logger.Warn("outbox relay lease expired unrenewed", "relay", r.cfg.id, "partition", p, "err", err)
+					stopWorker(p, w)
+				}
+			case !ok || l.Epoch != old.Epoch:
+				r.cfg.logger.Warn("outbox relay lost partition", "relay", r.cfg.id, "partition", p)
+				stopWorker(p, w)
+				if ok { // ours again under a new epoch: start afresh
+					start(l)
+				}
+			default:
+				w.lease.Store(&l)
+				w.renewed.Store(nanotime())
+			}
+		}
+		wmu.Lock()
+		count := len(workers)
+		wmu.Unlock()
+		// Give up partitions beyond the fair share (highest first in our
+		// rotation), after their batch in flight.
+		for i := n - 1; i >= 0 && count > fair; i-- {
+			p := (offset + i) % n
+			wmu.Lock()
+			w := workers[p]
+			wmu.Unlock()
+			if w == nil {
+				continue
+			}
+			l := *w.lease.Load()
+			stopWorker(p, w)
+			r.release(ctx, l)
+			count--
+		}
+		// Take free partitions up to the fair share.
+		for i := 0; i < n && count < fair && ctx.Err() == nil; i++ {
+			p := (offset + i) % n
+			wmu.Lock()
+			_, mine := workers[p]
+			wmu.Unlock()
+			if mine {
+				continue
+			}
+			l, ok, err := r.src.Acquire(ctx, r.cfg.id, p, r.cfg.ttl)
+			if err != nil || !ok {
+				continue
+			}
+			start(l)
+			count++
+		}
+		timer.Reset(beat)
+	}
+	var crashedRun bool
+	if runErr != nil {
+		var c crash
+		crashedRun = errors.As(runErr, &c)
+		if crashedRun {
+			runErr = c.err
+		}
+	}
+	cancel()
+	wmu.Lock()
+	all := make([]*worker, 0, len(workers))
+	for _, w := range workers {
+		all = append(all, w)
+	}
+	wmu.Unlock()
+	for _, w := range all {
+		close(w.stop)
+		<-w.done
+	}
+	r.stats.held.Store(0)
+	bg.Wait()
+	if !crashedRun {
+		cctx, ccancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		for _, w := range all {
+			r.release(cctx, *w.lease.Load())
+		}
+		if err := r.src.Leave(cctx, r.cfg.id); err != nil {
+			r.cfg.logger.Warn("outbox relay leave failed", "relay", r.cfg.id, "err", err)
+		}
+		ccancel()
+	}
+	return runErr
+}
+
+func (r *Relay) release(ctx context.Context, l Lease) {
+	if err := r.src.Release(ctx, l); err != nil {
+		r.cfg.logger.Warn("outbox relay release failed", "relay", r.cfg.id, "partition", l.Partition, "err", err)
+	}
+}
+
+// work runs one partition until w.stop is closed, the lease is lost or a
+// mark hook crashes the relay.
+func (r *Relay) work(ctx context.Context, w *worker) error {
+	results := make([]error, 0, r.cfg.batch)
+	poll := time.NewTimer(r.cfg.poll)
+	defer poll.Stop()
+	pause := func(d time.Duration) bool {
+		if !poll.Stop() {
+			select {
+			case <-poll.C:
+			default:
+			}
+		}
+		poll.Reset(d)
+		select {
+		case <-w.stop:
+			return false
+		case <-w.wake:
+		case <-poll.C:
+		}
+		return true
+	}
+	for {
+		select {
+		case <-w.stop:
+			return nil
+		default:
+		}
+		l := *w.lease.Load()
+		msgs, err := r.src.Fetch(ctx, l, r.cfg.batch, r.cfg.policy == Skip)
+		if err != nil {
+			if ctx.Err() == nil {
+				r.cfg.logger.Warn("outbox relay fetch failed", "relay", r.cfg.id, "partition", l.Partition, "err", err)
+			}
+			if !pause(r.cfg.minBackoff) {
+				return nil
+			}
+			continue
+		}
+		if len(msgs) == 0 {
+			if !pause(r.cfg.poll) {
+				return nil
+			}
+			continue
+		}
+		lost, retryNow, err := r.batch(ctx, l, msgs, results[:len(msgs)])
+		clear(results[:len(msgs)])
+		if err != nil {
+			return err
+		}
+		if lost {
+			r.stats.leaseLost.Add(1)
+			r.cfg.logger.Warn("outbox relay fenced off partition", "relay", r.cfg.id, "partition", l.Partition, "epoch", l.Epoch)
+			<-w.stop // the manager sees the new owner on its next beat
+			return nil
+		}
+		if !retryNow && len(msgs) < r.cfg.batch {
+			if !pause(r.cfg.poll) {
+				return nil
+			}
+		} else if retryNow && !pause(r.cfg.minBackoff) {
+			return nil
+		}
+	}
+}
+
+// batch publishes msgs and records the outcome. lost reports a fenced
+// mark; retryNow that some messages were not sent and the partition
+// should pause before reading again.
+func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []error) (lost, retryNow bool, err error) {
+	r.pub.Publish(ctx, msgs, results)
+	r.stats.batches.Add(1)
+	var acked []Message
+	var seqs []int64
+	var failures []Failure
+	var broken map[string]bool
+	for i := range msgs {
+		m := &msgs[i]
+		if broken[m.Key] {
+			continue // after a failure of its key: sent again later, in order
+		}
+		if results[i] == nil {
+			acked = append(acked, *m)
+			seqs = append(seqs, m.Seq)
+			continue
+		}
+		if broken == nil {
+			broken = map[string]bool{}
+		}
+		broken[m.Key] = true
+		if errors.Is(results[i], ErrNotSent) {
+			retryNow = true
+			continue
+		}
+		attempts := m.Attempts + 1
+		q := IsPermanent(results[i]) || attempts >= r.cfg.maxAttempts
+		failures = append(failures, Failure{Seq: m.Seq, Err: truncate(results[i].Error(), 2000), RetryAfter: r.backoff(attempts), Quarantine: q})
+	}
+	if r.cfg.markHook != nil {
+		if err := r.cfg.markHook(l.Partition, acked); err != nil {
+			return false, false, crash{err}
+		}
+	}
+	// Mark and record on a detached context: a shutdown mid-batch still
+	// records what the broker acknowledged.
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := r.src.Mark(mctx, l, seqs); err != nil {
+		if errors.Is(err, ErrLeaseLost) {
+			return true, false, nil
+		}
+		r.cfg.logger.Warn("outbox relay mark failed; the batch will be sent again", "relay", r.cfg.id, "partition", l.Partition, "err", err)
+		return false, true, nil
+	}
+	r.stats.published.Add(int64(len(seqs)))
+	if err := r.src.Fail(mctx, l, failures); err != nil {
+		if errors.Is(err, ErrLeaseLost) {
+			return true, false, nil
+		}
+		r.cfg.logger.Warn("outbox relay could not record failures", "relay", r.cfg.id, "partition", l.Partition, "err", err)
+		retryNow = true
+	} else {
+		for _, f := range failures {
+			r.stats.failed.Add(1)
+			if f.Quarantine {
+				r.stats.quarantined.Add(1)
+				r.cfg.logger.Error("outbox message quarantined", "relay", r.cfg.id, "partition", l.Partition, "seq", f.Seq, "err", f.Err)
+			}
+		}
+	}
+	if len(failures) > 0 {
+		retryNow = true
+	}
+	if r.cfg.published != nil && len(acked) > 0 {
+		r.cfg.published(l.Partition, acked)
+	}
+	return false, retryNow, nil
+}
+
+// backoff is the delay after the attempt-th failure, saturating at max.
+func (r *Relay) backoff(attempt int) time.Duration {
+	d := r.cfg.minBackoff
+	for i := 1; i < attempt && d < r.cfg.maxBackoff; i++ {
+		if d > r.cfg.maxBackoff/2 {
+			return r.cfg.maxBackoff
+		}
+		d *= 2
+	}
+	return min(d, r.cfg.maxBackoff)
+}
+
+func (r *Relay) listen(ctx context.Context, n Notifier, wake func()) {
+	for ctx.Err() == nil {
+		if err := n.Listen(ctx, wake); err != nil && ctx.Err() == nil {
+			r.cfg.logger.Warn("outbox relay listen failed; polling meanwhile", "relay", r.cfg.id, "err", err)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(r.cfg.poll):
+		}
+	}
+}
+
+func (r *Relay) prune(ctx context.Context, p Pruner) {
+	t := time.NewTicker(r.cfg.pruneEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for ctx.Err() == nil {
+			n, err := p.Prune(ctx, r.cfg.keep, r.cfg.pruneLimit)
+			if err != nil {
+				r.cfg.logger.Warn("outbox relay prune failed", "relay", r.cfg.id, "err", err)
+				break
+			}
+			if n < r.cfg.pruneLimit {
+				break
+			}
+		}
+	}
+}
+
+func (c crash) Error() string { return "outbox: relay crashed by its mark hook: " + c.err.Error() }
+func (c crash) Unwrap() error { return c.err }
+
+var start = time.Now()
+
+func nanotime() int64 { return int64(time.Since(start)) }
+
+func hash32(s string) uint32 {
+	h := uint32(2166136261)
+	for i := 0; i < len(s); i++ {
+		h ^= uint32(s[i])
+		h *= 16777619
+	}
+	return h
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}
