@@ -1,7 +1,6 @@
 package deduphttp
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -9,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -105,20 +105,47 @@ type expiresCache struct {
 
 var replayedValue = []string{"true"}
 
-// readBody reads at most limit bytes of body (one more to detect an
-// overflow), in one allocation when the length is known.
+// initialBodyBuffer is the most readBody allocates before bytes arrive: a
+// larger declared Content-Length is read into a buffer that grows with the
+// bytes actually received, so a client that declares a large body and
+// sends nothing costs no more than one that declares a small one.
+const initialBodyBuffer = 16 << 10
+
+// readBody reads at most limit bytes of body, and one more to detect an
+// overflow. A small declared length is read in one allocation.
 func readBody(body io.Reader, length, limit int64) ([]byte, error) {
-	if length < 0 || length > limit {
-		return io.ReadAll(io.LimitReader(body, limit+1))
+	if length >= 0 && length <= initialBodyBuffer && length <= limit {
+		b := make([]byte, length, length+1)
+		if _, err := io.ReadFull(body, b); err != nil {
+			return nil, err
+		}
+		// A body longer than its Content-Length is the server's problem;
+		// read one more byte only to return a consistent result.
+		if n, _ := body.Read(b[length : length+1]); n == 0 {
+			return b, nil
+		}
+		b = b[:length+1]
+		return readGrowing(body, b, limit)
 	}
-	b := make([]byte, length, length+1)
-	if _, err := io.ReadFull(body, b); err != nil {
-		return nil, err
-	}
-	// A body longer than its Content-Length is the server's problem; read
-	// one more byte only to return a consistent result.
-	if n, _ := body.Read(b[length : length+1]); n > 0 {
-		return io.ReadAll(io.LimitReader(io.MultiReader(bytes.NewReader(b[:length+1]), body), limit+1))
+	return readGrowing(body, make([]byte, 0, 512), limit)
+}
+
+// readGrowing appends body to b until EOF or limit+1 bytes, doubling the
+// buffer only when it is full.
+func readGrowing(body io.Reader, b []byte, limit int64) ([]byte, error) {
+	for int64(len(b)) <= limit {
+		if len(b) == cap(b) {
+			b = slices.Grow(b, min(cap(b), int(limit+1)-len(b)))
+		}
+		end := min(cap(b), int(limit+1))
+		n, err := body.Read(b[len(b):end])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			return b, nil
+		}
+		if err != nil {
+			return nil, err
+		}
 	}
 	return b, nil
 }
@@ -135,58 +162,94 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	vals := r.Header.Values(HeaderKey)
-	switch {
-	case len(vals) == 0:
+	if len(vals) == 0 {
 		if required {
 			writeProblem(w, http.StatusBadRequest, CodeKeyMissing, "This operation requires an "+HeaderKey+" header.")
 			return
 		}
 		next.ServeHTTP(w, r)
 		return
-	case len(vals) > 1:
-		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid, "Send exactly one "+HeaderKey+" header.")
-		return
+	}
+	var ev *Event
+	if m.cfg.onDone != nil {
+		ev = &Event{start: m.now()}
+		defer func() {
+			ev.Duration = m.now().Sub(ev.start)
+			m.cfg.onDone(r, *ev)
+		}()
+	}
+	status, class := m.serveKeyed(w, r, next, vals, ev)
+	if ev != nil {
+		ev.Status, ev.Class = status, class
+	}
+}
+
+// reject writes a problem answer that touched no store.
+func reject(w http.ResponseWriter, status int, code, detail string) (int, Class) {
+	writeProblem(w, status, code, detail)
+	return status, ClassRejected
+}
+
+func (m *Middleware) serveKeyed(w http.ResponseWriter, r *http.Request, next http.Handler, vals []string, ev *Event) (int, Class) {
+	if len(vals) > 1 {
+		return reject(w, http.StatusBadRequest, CodeKeyInvalid, "Send exactly one "+HeaderKey+" header.")
 	}
 	id, err := ParseKey(vals[0])
 	if err != nil {
-		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid, "The "+HeaderKey+" header "+err.(*KeyError).Reason+".")
-		return
+		return reject(w, http.StatusBadRequest, CodeKeyInvalid, "The "+HeaderKey+" header "+err.(*KeyError).Reason+".")
+	}
+	if ev != nil {
+		ev.KeyHash = keyHash(id)
 	}
 	tenant := ""
 	if m.cfg.tenant != nil {
 		t, err := m.cfg.tenant(r)
+		if errors.Is(err, ErrTenantInvalid) {
+			return reject(w, http.StatusBadRequest, CodeTenantInvalid, "The request names its sender ambiguously: "+strings.TrimPrefix(err.Error(), ErrTenantInvalid.Error()+": ")+".")
+		}
 		if err != nil || t == "" {
-			writeProblem(w, m.cfg.tenantStatus, CodeTenantMissing, "The request does not say who sends it, so its "+HeaderKey+" cannot be scoped.")
-			return
+			return reject(w, m.cfg.tenantStatus, CodeTenantMissing, "The request does not say who sends it, so its "+HeaderKey+" cannot be scoped.")
 		}
 		tenant = t
+		if ev != nil {
+			ev.Tenant = t
+		}
+	}
+	principal := ""
+	if m.cfg.principal != nil {
+		p, err := m.cfg.principal(r)
+		if errors.Is(err, ErrTenantInvalid) {
+			return reject(w, http.StatusBadRequest, CodeTenantInvalid, "The request names its sender ambiguously: "+strings.TrimPrefix(err.Error(), ErrTenantInvalid.Error()+": ")+".")
+		}
+		if err != nil || p == "" {
+			return reject(w, m.cfg.tenantStatus, CodeTenantMissing, "The request does not say who sends it, so its "+HeaderKey+" cannot be scoped.")
+		}
+		sum := sha256.Sum256([]byte(p))
+		principal = hex.EncodeToString(sum[:16])
 	}
 	if r.ContentLength > m.cfg.maxBody {
-		writeProblem(w, http.StatusRequestEntityTooLarge, CodeBodyTooLarge, "A request with an "+HeaderKey+" may have a body of at most "+strconv.FormatInt(m.cfg.maxBody, 10)+" bytes.")
-		return
+		return reject(w, http.StatusRequestEntityTooLarge, CodeBodyTooLarge, "A request with an "+HeaderKey+" may have a body of at most "+strconv.FormatInt(m.cfg.maxBody, 10)+" bytes.")
 	}
 	var body []byte
 	if r.Body != nil && r.Body != http.NoBody {
 		body, err = readBody(r.Body, r.ContentLength, m.cfg.maxBody)
 		r.Body.Close()
 		if err != nil {
-			writeProblem(w, http.StatusBadRequest, CodeBodyUnreadable, "The request body could not be read.")
-			return
+			return reject(w, http.StatusBadRequest, CodeBodyUnreadable, "The request body could not be read.")
 		}
 		if int64(len(body)) > m.cfg.maxBody {
-			writeProblem(w, http.StatusRequestEntityTooLarge, CodeBodyTooLarge, "A request with an "+HeaderKey+" may have a body of at most "+strconv.FormatInt(m.cfg.maxBody, 10)+" bytes.")
-			return
+			return reject(w, http.StatusRequestEntityTooLarge, CodeBodyTooLarge, "A request with an "+HeaderKey+" may have a body of at most "+strconv.FormatInt(m.cfg.maxBody, 10)+" bytes.")
 		}
 		r.Body = &bodyReader{b: body}
 	}
 	fp, err := m.cfg.fingerprint(r, body)
 	if err != nil {
-		writeProblem(w, http.StatusBadRequest, CodeFingerprint, "The request payload could not be fingerprinted: "+err.Error())
-		return
+		return reject(w, http.StatusBadRequest, CodeFingerprint, "The request payload could not be fingerprinted: "+err.Error())
 	}
-	key := scopedKey(tenant, r.Method, m.cfg.route(r), id)
+	key := scopedKey(tenant, principal, r.Method, m.cfg.route(r), id)
 
 	ctx := r.Context()
+	claimed := m.now()
 	c, err := m.store.Claim(ctx, key, fp, m.cfg.lease)
 	if err == nil && c.Outcome == dedup.InProgress && m.cfg.wait > 0 {
 		c, err = m.waitClaim(ctx, key, fp, c)
@@ -195,26 +258,41 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.logError(r, err)
 		w.Header().Set("Retry-After", "1")
 		writeProblem(w, http.StatusServiceUnavailable, CodeStoreDown, "The idempotency store is unavailable; the request was not processed. Retry with the same key.")
-		return
+		return http.StatusServiceUnavailable, ClassStoreDown
 	}
 	switch c.Outcome {
 	case dedup.Duplicate:
-		m.replay(w, r, c)
+		return m.replay(w, r, c)
 	case dedup.InProgress:
-		secs := int64(1)
-		if d := c.LeaseUntil.Sub(m.now()); d > time.Second {
-			secs = int64((d + time.Second - 1) / time.Second)
-		}
-		w.Header().Set("Retry-After", strconv.FormatInt(secs, 10))
-		writeProblem(w, http.StatusConflict, CodeInProgress, "A request with this "+HeaderKey+" is still being processed. Retry later with the same key.")
+		w.Header().Set("Retry-After", strconv.FormatInt(retryAfter(c.LeaseUntil.Sub(m.now())), 10))
+		writeProblem(w, http.StatusConflict, CodeInProgress, "A request with this "+HeaderKey+" is still being processed, or its outcome is unknown until its lease ends. Retry later with the same key.")
+		return http.StatusConflict, ClassInProgress
 	case dedup.Mismatch:
 		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused, "This "+HeaderKey+" was already used for a different request payload.")
+		return http.StatusUnprocessableEntity, ClassMismatch
 	case dedup.Acquired:
-		m.run(w, r, next, c)
+		return m.run(w, r, next, c, claimed)
 	default:
 		m.logError(r, errors.New("deduphttp: store returned outcome "+c.Outcome.String()))
 		writeProblem(w, http.StatusServiceUnavailable, CodeStoreDown, "The idempotency store gave an unexpected answer; the request was not processed.")
+		return http.StatusServiceUnavailable, ClassStoreDown
 	}
+}
+
+// retryAfter is the Retry-After of an in-progress key: the whole seconds
+// left on its lease, rounded up, at least 1.
+func retryAfter(left time.Duration) int64 {
+	if left <= time.Second {
+		return 1
+	}
+	return int64((left + time.Second - 1) / time.Second)
+}
+
+// keyHash is what a log may show of a client's key: the first 8 bytes of
+// its SHA-256, in hex.
+func keyHash(id string) string {
+	sum := sha256.Sum256([]byte(id))
+	return hex.EncodeToString(sum[:8])
 }
 
 // waitClaim polls the key until it is no longer in progress, the wait runs
@@ -246,12 +324,16 @@ func (m *Middleware) waitClaim(ctx context.Context, key dedup.Key, fp dedup.Fing
 	}
 }
 
-func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, c dedup.Claim) {
+func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, c dedup.Claim) (int, Class) {
 	sr, err := decodeResponse(c.Result)
 	if err != nil {
 		m.logError(r, err)
 		writeProblem(w, http.StatusInternalServerError, CodeStoredCorrupted, "The stored response for this "+HeaderKey+" cannot be read.")
-		return
+		return http.StatusInternalServerError, ClassReplayed
+	}
+	if enc := sr.header["Content-Encoding"]; len(enc) > 0 && !acceptsEncodings(r.Header["Accept-Encoding"], enc) {
+		writeProblem(w, http.StatusNotAcceptable, CodeNotAcceptable, "The stored response for this "+HeaderKey+" is encoded as "+strings.Join(enc, ", ")+", which this request's Accept-Encoding does not accept.")
+		return http.StatusNotAcceptable, ClassReplayed
 	}
 	h := w.Header()
 	for k, vs := range sr.header {
@@ -264,47 +346,91 @@ func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, c dedup.Clai
 	if r.Method != http.MethodHead {
 		w.Write(sr.body)
 	}
+	return sr.status, ClassReplayed
 }
 
-// run calls next with a recorder, then stores the response or releases the
-// key, on a context detached from the request.
-func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, c dedup.Claim) {
+// run calls next with a recorder and then, by the request's outcome class,
+// stores the response, releases the key or holds it until its lease ends.
+func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, c dedup.Claim, claimed time.Time) (status int, class Class) {
 	rec := &recorder{w: w, m: m}
-	finish := func(store bool) {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.finalizeTimout)
+	hctx := r.Context()
+	if m.cfg.handlerTimeout > 0 {
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithDeadline(context.WithoutCancel(hctx), claimed.Add(m.cfg.handlerTimeout))
 		defer cancel()
-		var err error
-		if store {
-			sr := storedResponse{status: rec.status, header: rec.header, body: rec.body}
-			err = m.store.Complete(ctx, c, sr.encode(), m.cfg.retention)
-		} else {
-			err = m.store.Release(ctx, c)
-		}
-		if err != nil {
-			m.logError(r, err)
-		}
+		r = r.WithContext(hctx)
 	}
+	panicked := true
 	defer func() {
-		if p := recover(); p != nil {
-			finish(false)
-			panic(p)
+		if panicked {
+			rec.outcome = outcomeHeld
 		}
+		status, class = m.finish(r, hctx, c, rec)
 	}()
 	next.ServeHTTP(rec, r)
-	if rec.status == 0 {
-		rec.status = http.StatusOK
-	}
-	finish(!rec.overflow && !rec.hijacked && m.cfg.storeStatus(rec.status))
+	panicked = false
+	return
 }
 
-// scopedKey builds the store key of a request: the scope holds the tenant,
-// method and route, each path-escaped (so the "/" separators are
+// outcomeHeld marks a response that can never be stored: the handler
+// panicked, hijacked the connection or wrote too much.
+const outcomeHeld Outcome = 255
+
+// finish applies the outcome classes (see the package doc): never started
+// releases, finished stores by the policy (or releases), unknown holds the
+// key until its lease ends. The store call runs on a detached context with
+// its own timeout.
+func (m *Middleware) finish(r *http.Request, hctx context.Context, c dedup.Claim, rec *recorder) (int, Class) {
+	outcome := rec.outcome
+	switch {
+	case rec.hijacked || rec.overflow:
+		outcome = outcomeHeld
+	case rec.status == 0 && outcome == OutcomeFinished && hctx.Err() != nil:
+		// Nothing written and the handler's context ended: we cannot tell
+		// whether it did its work.
+		outcome = OutcomeUnknown
+	}
+	status := rec.status
+	if status == 0 && outcome == OutcomeFinished {
+		status = http.StatusOK
+	}
+	var op func(context.Context) error
+	class := ClassHeld
+	switch {
+	case outcome == OutcomeNotStarted:
+		op, class = func(ctx context.Context) error { return m.store.Release(ctx, c) }, ClassReleased
+	case outcome == OutcomeFinished && !m.cfg.storeStatus(status):
+		op, class = func(ctx context.Context) error { return m.store.Release(ctx, c) }, ClassReleased
+	case outcome == OutcomeFinished || (outcome == OutcomeUnknown && m.cfg.storeUnknown && status != 0):
+		sr := storedResponse{status: status, header: rec.header, body: rec.body}
+		op, class = func(ctx context.Context) error { return m.store.Complete(ctx, c, sr.encode(), m.cfg.retention) }, ClassStored
+	}
+	if op == nil {
+		return status, class
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.finalizeTimout)
+	defer cancel()
+	if err := op(ctx); err != nil {
+		// A failed Complete leaves the outcome unknown: the key stays
+		// claimed until its lease ends.
+		m.logError(r, err)
+		return status, ClassHeld
+	}
+	return status, class
+}
+
+// scopedKey builds the store key of a request: the scope holds the tenant
+// (with the principal's hash, when there is one), method and route, each path-escaped (so the "/" separators are
 // unambiguous), or their SHA-256 when too long; the ID is the client's key.
-func scopedKey(tenant, method, route, id string) dedup.Key {
+func scopedKey(tenant, principal, method, route, id string) dedup.Key {
 	var b strings.Builder
-	b.Grow(8 + len(tenant) + len(method) + len(route))
+	b.Grow(12 + len(tenant) + len(principal) + len(method) + len(route))
 	b.WriteString("http/")
 	b.WriteString(url.PathEscape(tenant))
+	if principal != "" {
+		b.WriteString(";p=") // PathEscape escapes ';': unambiguous
+		b.WriteString(principal)
+	}
 	b.WriteByte('/')
 	b.WriteString(url.PathEscape(method))
 	b.WriteByte('/')
@@ -312,7 +438,10 @@ func scopedKey(tenant, method, route, id string) dedup.Key {
 	scope := b.String()
 	if len(scope) > dedup.MaxScopeBytes {
 		h := sha256.New()
-		for _, p := range []string{tenant, method, route} {
+		for i, p := range []string{tenant, principal, method, route} {
+			if i == 1 && p == "" {
+				continue // scopes without a principal hash as they always did
+			}
 			h.Write([]byte(strconv.Itoa(len(p))))
 			h.Write([]byte{':'})
 			h.Write([]byte(p))

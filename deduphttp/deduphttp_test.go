@@ -17,6 +17,7 @@ import (
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/deduphttp"
 	"github.com/dedupkit/dedup/memstore"
+	"github.com/dedupkit/dedup/storetest"
 )
 
 func newMem(t testing.TB) *memstore.Store {
@@ -29,7 +30,14 @@ func newMem(t testing.TB) *memstore.Store {
 	return s
 }
 
+// newMiddleware builds a single-tenant Middleware on s with opts.
 func newMiddleware(t testing.TB, s dedup.Store, opts ...deduphttp.Option) *deduphttp.Middleware {
+	t.Helper()
+	return newScoped(t, s, append([]deduphttp.Option{deduphttp.WithSingleTenant()}, opts...)...)
+}
+
+// newScoped builds a Middleware on s with opts only.
+func newScoped(t testing.TB, s dedup.Store, opts ...deduphttp.Option) *deduphttp.Middleware {
 	t.Helper()
 	m, err := deduphttp.New(s, opts...)
 	if err != nil {
@@ -192,7 +200,10 @@ func TestReplay(t *testing.T) {
 	if second.header.Get("Set-Cookie") != "" {
 		t.Errorf("Set-Cookie replayed: %q", second.header.Get("Set-Cookie"))
 	}
-	for _, r := range []result{first, second} {
+	if first.header.Get(deduphttp.HeaderExpires) != "" {
+		t.Errorf("the first response, of undeclared length, promises to be kept: %q", first.header.Get(deduphttp.HeaderExpires))
+	}
+	for _, r := range []result{second} {
 		exp, err := http.ParseTime(r.header.Get(deduphttp.HeaderExpires))
 		if err != nil {
 			t.Errorf("expiry header %q: %v", r.header.Get(deduphttp.HeaderExpires), err)
@@ -246,7 +257,7 @@ func TestJSONFieldsFingerprint(t *testing.T) {
 
 func TestTenantsAreIsolated(t *testing.T) {
 	h := &counting{}
-	m := newMiddleware(t, newMem(t), deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")))
+	m := newScoped(t, newMem(t), deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")))
 	srv := httptest.NewServer(m.Required(h))
 	defer srv.Close()
 	a := post(t, srv.Client(), srv.URL, "same", "payload", "X-Tenant", "alice")
@@ -276,7 +287,7 @@ func TestTenantsAreIsolated(t *testing.T) {
 	if r.status != http.StatusUnauthorized || problemCode(t, r) != deduphttp.CodeTenantMissing {
 		t.Errorf("no tenant: %d %q", r.status, r.body)
 	}
-	m400 := newMiddleware(t, newMem(t), deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")), deduphttp.WithMissingTenantStatus(400))
+	m400 := newScoped(t, newMem(t), deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")), deduphttp.WithMissingTenantStatus(400))
 	rec := httptest.NewRecorder()
 	req := httptest.NewRequest("POST", "/", nil)
 	req.Header.Set("Idempotency-Key", "k")
@@ -348,40 +359,79 @@ func TestNotStoredOutcomesRelease(t *testing.T) {
 			t.Fatalf("policy ignored: runs %d", h.runs.Load())
 		}
 	})
-	t.Run("panic", func(t *testing.T) {
-		var runs atomic.Int64
-		m := newMiddleware(t, newMem(t))
-		srv := httptest.NewServer(m.Required(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if runs.Add(1) == 1 {
-				panic(http.ErrAbortHandler)
+	t.Run("429 and 401 not stored", func(t *testing.T) {
+		for _, st := range []int{401, 403, 408, 409, 423, 425, 429} {
+			h := &counting{}
+			h.status.Store(int64(st))
+			m := newMiddleware(t, newMem(t))
+			srv := httptest.NewServer(m.Required(h))
+			r1 := post(t, srv.Client(), srv.URL, "k", "p")
+			h.status.Store(0)
+			r2 := post(t, srv.Client(), srv.URL, "k", "p")
+			srv.Close()
+			if r1.status != st || r1.header.Get(deduphttp.HeaderExpires) != "" || r2.status != 201 || h.runs.Load() != 2 {
+				t.Errorf("%d: first %d (expires %q), retry %d, runs %d: the temporary refusal was stored",
+					st, r1.status, r1.header.Get(deduphttp.HeaderExpires), r2.status, h.runs.Load())
 			}
-			w.WriteHeader(204)
-		})))
-		defer srv.Close()
-		req, _ := http.NewRequest("POST", srv.URL, nil)
-		req.Header.Set("Idempotency-Key", "k")
-		if resp, err := srv.Client().Do(req); err == nil {
-			resp.Body.Close()
-		}
-		if r := post(t, srv.Client(), srv.URL, "k", ""); r.status != 204 || runs.Load() != 2 {
-			t.Fatalf("after a panic: %d, runs %d", r.status, runs.Load())
 		}
 	})
-	t.Run("oversized response", func(t *testing.T) {
-		var runs atomic.Int64
-		m := newMiddleware(t, newMem(t), deduphttp.WithMaxStoredBody(10))
-		srv := httptest.NewServer(m.Required(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			runs.Add(1)
+}
+
+// TestUnrecordableOutcomesHold: a handler that panicked, hijacked the
+// connection or wrote more than can be stored may have done its work, so
+// its key is held until the lease ends (409 with the time left), never
+// released early; after the lease a retry runs it again.
+func TestUnrecordableOutcomesHold(t *testing.T) {
+	for name, first := range map[string]http.HandlerFunc{
+		"panic": func(w http.ResponseWriter, r *http.Request) { panic(http.ErrAbortHandler) },
+		"oversized": func(w http.ResponseWriter, r *http.Request) {
 			w.Write([]byte("0123456"))
 			w.Write([]byte("789abc"))
-		})))
-		defer srv.Close()
-		r1 := post(t, srv.Client(), srv.URL, "k", "")
-		r2 := post(t, srv.Client(), srv.URL, "k", "")
-		if r1.body != "0123456789abc" || r2.body != r1.body || runs.Load() != 2 {
-			t.Fatalf("bodies %q %q, runs %d", r1.body, r2.body, runs.Load())
-		}
-	})
+		},
+		"hijack": func(w http.ResponseWriter, r *http.Request) {
+			c, buf, err := http.NewResponseController(w).Hijack()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			buf.WriteString("HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+			buf.Flush()
+			c.Close()
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			clock := storetest.NewClock()
+			s, err := memstore.New(memstore.WithClock(clock))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			var runs atomic.Int64
+			m := newMiddleware(t, s, deduphttp.WithMaxStoredBody(10), deduphttp.WithClock(clock), deduphttp.WithLease(30*time.Second))
+			srv := httptest.NewServer(m.Required(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if runs.Add(1) == 1 {
+					first(w, r)
+					return
+				}
+				w.WriteHeader(204)
+			})))
+			defer srv.Close()
+			req, _ := http.NewRequest("POST", srv.URL, nil)
+			req.Header.Set("Idempotency-Key", "k")
+			if resp, err := srv.Client().Do(req); err == nil { // the panic drops the connection
+				resp.Body.Close()
+			}
+			clock.Advance(10 * time.Second)
+			r := post(t, srv.Client(), srv.URL, "k", "")
+			if r.status != http.StatusConflict || r.header.Get("Retry-After") != "20" || runs.Load() != 1 {
+				t.Fatalf("retry within the lease: %d Retry-After %q, runs %d; want 409, 20 s left, 1 run", r.status, r.header.Get("Retry-After"), runs.Load())
+			}
+			clock.Advance(21 * time.Second)
+			if r := post(t, srv.Client(), srv.URL, "k", ""); r.status != 204 || runs.Load() != 2 {
+				t.Fatalf("retry after the lease: %d, runs %d", r.status, runs.Load())
+			}
+		})
+	}
 }
 
 func TestClientDisconnectStillStores(t *testing.T) {
@@ -568,6 +618,10 @@ func TestNewValidates(t *testing.T) {
 	if _, err := deduphttp.New(nil); !errors.Is(err, dedup.ErrInvalidArgument) {
 		t.Errorf("nil store: %v", err)
 	}
+	// No tenant and no explicit single-tenant opt-in: refused.
+	if _, err := deduphttp.New(s); !errors.Is(err, dedup.ErrInvalidArgument) || !strings.Contains(err.Error(), "WithSingleTenant") {
+		t.Errorf("no tenant: %v", err)
+	}
 	for name, o := range map[string]deduphttp.Option{
 		"lease":     deduphttp.WithLease(0),
 		"retention": deduphttp.WithRetention(-time.Second),
@@ -581,8 +635,12 @@ func TestNewValidates(t *testing.T) {
 		"finalize":  deduphttp.WithFinalizeTimeout(0),
 		"header":    deduphttp.WithReplayHeaders(""),
 		"clock":     deduphttp.WithClock(nil),
+		"both":      deduphttp.WithTenant(deduphttp.TenantHeader("X")),
+		"timeout":   deduphttp.WithHandlerTimeout(30 * time.Second),
+		"negative":  deduphttp.WithHandlerTimeout(-1),
+		"huge body": deduphttp.WithMaxBody(deduphttp.MaxBodyLimit + 1),
 	} {
-		if _, err := deduphttp.New(s, o); !errors.Is(err, dedup.ErrInvalidArgument) {
+		if _, err := deduphttp.New(s, deduphttp.WithSingleTenant(), o); !errors.Is(err, dedup.ErrInvalidArgument) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
@@ -600,40 +658,6 @@ func TestCorruptRecord(t *testing.T) {
 	}
 	if h.runs.Load() != 1 {
 		t.Errorf("handler ran %d times", h.runs.Load())
-	}
-}
-
-func TestHijackReleases(t *testing.T) {
-	var runs atomic.Int64
-	// The client reads the hijacked response before the middleware has
-	// released the key, so wait for the release before the retry.
-	s := &releaseSignal{Store: newMem(t), released: make(chan struct{}, 1)}
-	m := newMiddleware(t, s)
-	srv := httptest.NewServer(m.Required(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if runs.Add(1) == 1 {
-			c, buf, err := http.NewResponseController(w).Hijack()
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			buf.WriteString("HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-			buf.Flush()
-			c.Close()
-			return
-		}
-		w.WriteHeader(201)
-	})))
-	defer srv.Close()
-	if r := post(t, srv.Client(), srv.URL, "k", ""); r.status != 202 {
-		t.Fatalf("hijacked: %d", r.status)
-	}
-	select {
-	case <-s.released:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the hijacked request never released its key")
-	}
-	if r := post(t, srv.Client(), srv.URL, "k", ""); r.status != 201 || runs.Load() != 2 {
-		t.Fatalf("after a hijack: %d, runs %d", r.status, runs.Load())
 	}
 }
 

@@ -40,7 +40,7 @@ func FuzzScopedKey(f *testing.F) {
 	f.Add("a/b", "POST", "/x", "a", "POST", "b//x")
 	f.Add("", "POST", "/x", "", "POST", "/x")
 	f.Fuzz(func(t *testing.T, t1, m1, r1, t2, m2, r2 string) {
-		k1, k2 := scopedKey(t1, m1, r1, "id"), scopedKey(t2, m2, r2, "id")
+		k1, k2 := scopedKey(t1, "", m1, r1, "id"), scopedKey(t2, "", m2, r2, "id")
 		if (t1 == t2 && m1 == m2 && r1 == r2) != (k1 == k2) {
 			t.Fatalf("scopes %q and %q for (%q %q %q) and (%q %q %q)", k1.Scope, k2.Scope, t1, m1, r1, t2, m2, r2)
 		}

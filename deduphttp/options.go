@@ -1,8 +1,12 @@
 package deduphttp
 
 import (
+	"errors"
+	"fmt"
 	"net/http"
 	"net/textproto"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/dedupkit/dedup"
@@ -25,8 +29,19 @@ type FingerprintFunc func(r *http.Request, body []byte) (dedup.Fingerprint, erro
 // request with the missing-tenant status.
 type TenantFunc func(r *http.Request) (string, error)
 
+// PrincipalFunc returns who, within a tenant, sends the request (a
+// verified user ID, the credential presented). Its value is hashed into the
+// key scope, never stored as is. An error or an empty principal rejects a
+// keyed request with the missing-tenant status.
+type PrincipalFunc func(r *http.Request) (string, error)
+
 type config struct {
 	tenant         TenantFunc
+	singleTenant   bool
+	principal      PrincipalFunc
+	handlerTimeout time.Duration
+	storeUnknown   bool
+	onDone         func(*http.Request, Event)
 	tenantStatus   int
 	route          func(*http.Request) string
 	fingerprint    FingerprintFunc
@@ -48,7 +63,7 @@ type config struct {
 // are sent on the first response only.
 var DefaultReplayHeaders = []string{
 	"Content-Type", "Content-Language", "Content-Encoding", "Content-Location",
-	"Location", "Etag", "Last-Modified",
+	"Location", "Etag", "Last-Modified", "Cache-Control", "Vary",
 }
 
 func defaultConfig() config {
@@ -71,6 +86,14 @@ func defaultConfig() config {
 func (c *config) validate() error {
 	bad := func(arg, reason string) error { return &dedup.ArgumentError{Arg: arg, Reason: reason} }
 	switch {
+	case c.tenant == nil && !c.singleTenant:
+		return bad("tenant", "is not set: a stored response would be replayed to any caller who sends the same key; use WithTenant, or WithSingleTenant when only one client can reach the handler")
+	case c.tenant != nil && c.singleTenant:
+		return bad("tenant", "WithTenant and WithSingleTenant exclude each other")
+	case c.handlerTimeout < 0:
+		return bad("handler timeout", "must not be negative, got "+c.handlerTimeout.String())
+	case c.handlerTimeout > 0 && c.handlerTimeout >= c.lease:
+		return bad("handler timeout", "must be shorter than the lease ("+c.handlerTimeout.String()+" >= "+c.lease.String()+"), or a retry could run while the first call still runs")
 	case c.tenantStatus < 400 || c.tenantStatus > 499:
 		return bad("missing tenant status", "must be a 4xx status")
 	case c.route == nil:
@@ -83,8 +106,8 @@ func (c *config) validate() error {
 		return bad("retention", "must be positive, got "+c.retention.String())
 	case c.wait < 0:
 		return bad("wait", "must not be negative, got "+c.wait.String())
-	case c.maxBody <= 0:
-		return bad("max body", "must be positive")
+	case c.maxBody <= 0 || c.maxBody > MaxBodyLimit:
+		return bad("max body", "must be between 1 and "+strconv.Itoa(MaxBodyLimit)+" bytes")
 	case c.maxStoredBody <= 0:
 		return bad("max stored body", "must be positive")
 	case c.storeStatus == nil:
@@ -106,25 +129,75 @@ func (c *config) validate() error {
 }
 
 // WithTenant sets who a request belongs to; every key is scoped by it, so
-// two tenants sending the same key never share a record. Default: none, all
-// requests are one anonymous tenant (use this only when the service has a
-// single client, or behind a gateway that already separates tenants).
+// two tenants sending the same key never share a record. Required unless
+// [WithSingleTenant] is given: without a scope, a key works as a bearer
+// token for whoever sent it first's stored response.
 func WithTenant(f TenantFunc) Option {
 	return optionFunc(func(c *config) { c.tenant = f })
 }
 
+// WithSingleTenant declares that every caller of the wrapped handlers is
+// one and the same client (or that a gateway in front already separates
+// callers), so keys need no tenant scope: any caller who sends a key gets
+// the response stored under it. Default off: [New] refuses to build
+// without [WithTenant] or this option.
+func WithSingleTenant() Option {
+	return optionFunc(func(c *config) { c.singleTenant = true })
+}
+
+// WithPrincipal mixes who sends the request within its tenant into the key
+// scope (its SHA-256, so a credential is never stored), so another user of
+// the same tenant cannot replay a stored response either. Default: none,
+// keys are scoped by tenant only.
+func WithPrincipal(f PrincipalFunc) Option {
+	return optionFunc(func(c *config) { c.principal = f })
+}
+
+// ErrTenantInvalid is matched (errors.Is) by the error of a tenant or
+// principal function when the request names its caller ambiguously: a
+// header sent several times, a comma-separated list, or a header the
+// request asks to drop at the next hop (named in Connection). The
+// middleware answers it with 400.
+var ErrTenantInvalid = errors.New("deduphttp: ambiguous tenant or principal")
+
 // TenantHeader returns a [TenantFunc] that reads the tenant from the named
-// request header; a missing or empty header is an error. Only use it when
-// a trusted gateway sets the header (a client could otherwise claim to be
-// another tenant).
+// request header; a missing or empty header is an error; a header sent
+// more than once, holding a comma, or named in the request's Connection
+// header (a proxy would drop it before the upstream sees it) is an error
+// matching [ErrTenantInvalid]. Only use it when a trusted gateway sets the
+// header (a client could otherwise claim to be another tenant).
 func TenantHeader(name string) TenantFunc {
-	return func(r *http.Request) (string, error) {
-		v := r.Header.Get(name)
-		if v == "" {
-			return "", &dedup.ArgumentError{Arg: "tenant", Reason: "header " + name + " is missing"}
-		}
-		return v, nil
+	name = textproto.CanonicalMIMEHeaderKey(name)
+	return func(r *http.Request) (string, error) { return headerValue(r, name, "tenant") }
+}
+
+// PrincipalHeader returns a [PrincipalFunc] that reads the principal from
+// the named request header (e.g. Authorization: the credential is hashed
+// into the key scope). A missing, repeated, comma-holding or
+// Connection-named header is an error, as for [TenantHeader].
+func PrincipalHeader(name string) PrincipalFunc {
+	name = textproto.CanonicalMIMEHeaderKey(name)
+	return func(r *http.Request) (string, error) { return headerValue(r, name, "principal") }
+}
+
+func headerValue(r *http.Request, name, what string) (string, error) {
+	vs := r.Header[name]
+	switch {
+	case len(vs) == 0 || vs[0] == "":
+		return "", &dedup.ArgumentError{Arg: what, Reason: "header " + name + " is missing"}
+	case len(vs) > 1:
+		return "", fmt.Errorf("%w: header %s is sent %d times", ErrTenantInvalid, name, len(vs))
+	case strings.IndexByte(vs[0], ',') >= 0:
+		return "", fmt.Errorf("%w: header %s holds a list", ErrTenantInvalid, name)
 	}
+	for _, c := range r.Header["Connection"] {
+		for tok := range strings.SplitSeq(c, ",") {
+			if strings.EqualFold(strings.TrimSpace(tok), name) {
+				return "", fmt.Errorf("%w: header %s is named in Connection and would not reach the next hop", ErrTenantInvalid, name)
+			}
+		}
+	}
+	return vs[0], nil
 }
 
 // WithMissingTenantStatus sets the status of a keyed request whose tenant
@@ -174,8 +247,13 @@ func WithWait(d time.Duration) Option {
 	return optionFunc(func(c *config) { c.wait = d })
 }
 
+// MaxBodyLimit is the largest value [WithMaxBody] accepts: 64 MiB.
+const MaxBodyLimit = 64 << 20
+
 // WithMaxBody sets the largest request body read for fingerprinting;
-// larger keyed requests get 413. Default 1 MiB.
+// larger keyed requests get 413. The body is read into a buffer that grows
+// as bytes arrive, never at the size a request declares. Default 1 MiB, at
+// most [MaxBodyLimit].
 func WithMaxBody(n int64) Option {
 	return optionFunc(func(c *config) { c.maxBody = n })
 }
@@ -193,11 +271,38 @@ func WithReplayHeaders(names ...string) Option {
 	return optionFunc(func(c *config) { c.replayHeaders = append([]string(nil), names...) })
 }
 
-// WithStorePolicy decides from the final status whether a response is
-// stored and replayed (true) or the key is released for a retry (false).
-// Default [DefaultStoreStatus]: 2xx, 3xx and 4xx are stored, 5xx released.
+// WithStorePolicy decides from the final status of a finished response
+// whether it is stored and replayed (true) or the key is released for a
+// retry (false). Default [DefaultStoreStatus].
 func WithStorePolicy(f func(status int) bool) Option {
 	return optionFunc(func(c *config) { c.storeStatus = f })
+}
+
+// WithStoreUnknownOutcome stores the response of a request whose outcome
+// is unknown (the handler marked it [OutcomeUnknown], e.g. a proxy's 504
+// after the request was sent) as its final answer, as Stripe stores its
+// 500s: a retry replays it instead of waiting for the lease to end. A
+// handler that panicked, hijacked the connection or wrote a response too
+// large to store is still held. Default off: the key stays claimed until
+// its lease ends.
+func WithStoreUnknownOutcome() Option {
+	return optionFunc(func(c *config) { c.storeUnknown = true })
+}
+
+// WithHandlerTimeout runs the handler on a context that the client's
+// hang-up does not cancel (context.WithoutCancel) and that ends d after
+// the key was claimed: the whole exchange's deadline. d must be shorter
+// than the lease, so no retry can run while the first call still may.
+// Default 0: the handler gets the request's own context.
+func WithHandlerTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) { c.handlerTimeout = d })
+}
+
+// WithOnDone is called once per keyed request after the middleware has
+// answered it and stored, released or held its key, with what happened
+// (for a per-request log line or metrics). Default: none.
+func WithOnDone(f func(r *http.Request, e Event)) Option {
+	return optionFunc(func(c *config) { c.onDone = f })
 }
 
 // WithFinalizeTimeout bounds storing or releasing a response after the
@@ -219,8 +324,17 @@ func WithClock(clock dedup.Clock) Option {
 	return optionFunc(func(c *config) { c.clock = clock })
 }
 
-// DefaultStoreStatus stores every final status below 500.
-func DefaultStoreStatus(status int) bool { return status < 500 }
+// DefaultStoreStatus stores 2xx, 3xx and 4xx responses except the
+// temporary refusals 401, 403, 408, 409, 423, 425 and 429, after which the
+// request never began to execute and a retry (with a fresh token, after a
+// pause) should run; those and every 5xx release the key.
+func DefaultStoreStatus(status int) bool {
+	switch status {
+	case 401, 403, 408, 409, 423, 425, 429:
+		return false
+	}
+	return status >= 200 && status < 500
+}
 
 // DefaultFingerprint fingerprints the method, the escaped path with its
 // query, and the body with [dedup.FingerprintParts].

@@ -10,16 +10,18 @@ import (
 // middleware writes, for clients that branch on the reason rather than the
 // status.
 const (
-	CodeKeyMissing      = "idempotency_key_missing"       // 400
-	CodeKeyInvalid      = "idempotency_key_invalid"       // 400
-	CodeTenantMissing   = "tenant_missing"                // 401 or as configured
-	CodeBodyTooLarge    = "request_body_too_large"        // 413
-	CodeBodyUnreadable  = "request_body_unreadable"       // 400
-	CodeFingerprint     = "fingerprint_failed"            // 400
-	CodeKeyReused       = "idempotency_key_reused"        // 422
-	CodeInProgress      = "idempotency_key_in_progress"   // 409
-	CodeStoreDown       = "idempotency_store_unavailable" // 503
-	CodeStoredCorrupted = "idempotency_record_unreadable" // 500
+	CodeKeyMissing      = "idempotency_key_missing"        // 400
+	CodeKeyInvalid      = "idempotency_key_invalid"        // 400
+	CodeTenantMissing   = "tenant_missing"                 // 401 or as configured
+	CodeTenantInvalid   = "tenant_ambiguous"               // 400
+	CodeNotAcceptable   = "stored_encoding_not_acceptable" // 406
+	CodeBodyTooLarge    = "request_body_too_large"         // 413
+	CodeBodyUnreadable  = "request_body_unreadable"        // 400
+	CodeFingerprint     = "fingerprint_failed"             // 400
+	CodeKeyReused       = "idempotency_key_reused"         // 422
+	CodeInProgress      = "idempotency_key_in_progress"    // 409
+	CodeStoreDown       = "idempotency_store_unavailable"  // 503
+	CodeStoredCorrupted = "idempotency_record_unreadable"  // 500
 )
 
 // problem is an RFC 9457 problem details object. Type is always

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"strconv"
 )
 
 // recordVersion is the first byte of an encoded response.
@@ -92,15 +93,20 @@ func decodeResponse(b []byte) (storedResponse, error) {
 
 // recorder passes a handler's response through to the client while keeping
 // a copy of its status, allowlisted headers and body (up to a limit) for
-// storage.
+// storage. A client that stops reading does not stop the recording: once a
+// write to the client fails, later writes only record, so the handler (a
+// reverse proxy copying its upstream's answer) runs to the end and the
+// response can be stored for the client's retry.
 type recorder struct {
-	w        http.ResponseWriter
-	m        *Middleware
-	status   int
-	header   http.Header
-	body     []byte
-	overflow bool
-	hijacked bool
+	w          http.ResponseWriter
+	m          *Middleware
+	status     int
+	header     http.Header
+	body       []byte
+	overflow   bool
+	hijacked   bool
+	clientGone bool
+	outcome    Outcome
 }
 
 func (r *recorder) Header() http.Header { return r.w.Header() }
@@ -124,10 +130,26 @@ func (r *recorder) WriteHeader(code int) {
 			r.header[name] = append([]string(nil), vs...)
 		}
 	}
-	if r.m.cfg.storeStatus(code) {
+	if r.willStore(h, code) {
 		r.m.setExpires(h, r.m.now().Add(r.m.cfg.retention))
 	}
 	r.w.WriteHeader(code)
+}
+
+// willStore reports whether a response is sure, when its header is sent,
+// to be stored if the handler finishes: a finished outcome, a status the
+// policy stores, and a declared length within the stored-body limit. Only
+// then does the first response carry the expiry header.
+func (r *recorder) willStore(h http.Header, code int) bool {
+	if r.outcome != OutcomeFinished || !r.m.cfg.storeStatus(code) {
+		return false
+	}
+	cl := h["Content-Length"]
+	if len(cl) != 1 {
+		return false
+	}
+	n, err := strconv.ParseInt(cl[0], 10, 64)
+	return err == nil && n >= 0 && n <= int64(r.m.cfg.maxStoredBody)
 }
 
 func (r *recorder) Write(p []byte) (int, error) {
@@ -141,8 +163,23 @@ func (r *recorder) Write(p []byte) (int, error) {
 			r.body = append(r.body, p...)
 		}
 	}
-	return r.w.Write(p)
+	if r.clientGone {
+		if r.overflow {
+			return 0, errClientGone
+		}
+		return len(p), nil
+	}
+	n, err := r.w.Write(p)
+	if err != nil {
+		r.clientGone = true
+		if !r.overflow {
+			return len(p), nil
+		}
+	}
+	return n, err
 }
+
+var errClientGone = errors.New("deduphttp: the client is gone and the response is too large to store")
 
 // Flush sends buffered data to the client, for handlers that assert
 // http.Flusher.
@@ -150,11 +187,13 @@ func (r *recorder) Flush() {
 	if r.status == 0 {
 		r.WriteHeader(http.StatusOK)
 	}
-	_ = http.NewResponseController(r.w).Flush()
+	if !r.clientGone {
+		_ = http.NewResponseController(r.w).Flush()
+	}
 }
 
 // Hijack hands the connection to the handler; the response is then not
-// stored and the key is released.
+// recorded, and the key is held until its lease ends.
 func (r *recorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	r.hijacked = true
 	return http.NewResponseController(r.w).Hijack()

@@ -65,7 +65,7 @@ func startProxy(t *testing.T, args ...string) (base string, stop func()) {
 	done := make(chan int, 1)
 	var stderr syncBuffer
 	go func() {
-		done <- serveProxy(ctx, append([]string{"--listen", "127.0.0.1:0"}, args...), io.Discard, &stderr, func(a string) { addr <- a })
+		done <- serveProxy(ctx, append([]string{"--listen", "127.0.0.1:0"}, args...), io.Discard, &stderr, func(a string) { addr <- strings.Fields(a)[0] })
 	}()
 	select {
 	case a := <-addr:
@@ -135,7 +135,7 @@ func send(t *testing.T, method, url, key, body string, hdr ...string) reply {
 func TestProxyConcurrentOneKey(t *testing.T) {
 	up := newUpstream(t)
 	up.delay.Store(int64(50 * time.Millisecond))
-	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key")
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key", "--single-tenant")
 	const n = 50
 	replies := make([]reply, n)
 	var wg sync.WaitGroup
@@ -199,10 +199,10 @@ func TestProxyTenants(t *testing.T) {
 func TestProxyReplaySurvivesRestart(t *testing.T) {
 	up := newUpstream(t)
 	path := filepath.Join(t.TempDir(), "keys.db")
-	base, stop := startProxy(t, "--upstream", up.srv.URL, "--store", "sqlite", "--path", path)
+	base, stop := startProxy(t, "--upstream", up.srv.URL, "--store", "sqlite", "--path", path, "--single-tenant")
 	first := send(t, "POST", base+"/pay", "k-restart", "p")
 	stop()
-	base, _ = startProxy(t, "--upstream", up.srv.URL, "--store", "sqlite", "--path", path)
+	base, _ = startProxy(t, "--upstream", up.srv.URL, "--store", "sqlite", "--path", path, "--single-tenant")
 	again := send(t, "POST", base+"/pay", "k-restart", "p")
 	if up.runs.Load() != 1 || again.status != first.status || again.body != first.body || again.header.Get("Idempotent-Replayed") != "true" {
 		t.Fatalf("after a restart: runs %d, %d %q vs %d %q", up.runs.Load(), again.status, again.body, first.status, first.body)
@@ -225,11 +225,11 @@ func TestProxyOnServerStores(t *testing.T) {
 			}
 			up := newUpstream(t)
 			key := fmt.Sprintf("k-%s-%d", store, time.Now().UnixNano())
-			base, stop := startProxy(t, "--upstream", up.srv.URL, "--store", store)
+			base, stop := startProxy(t, "--upstream", up.srv.URL, "--store", store, "--single-tenant")
 			first := send(t, "POST", base+"/pay", key, "p")
 			dup := send(t, "POST", base+"/pay", key, "p")
 			stop()
-			base, _ = startProxy(t, "--upstream", up.srv.URL, "--store", store)
+			base, _ = startProxy(t, "--upstream", up.srv.URL, "--store", store, "--single-tenant")
 			again := send(t, "POST", base+"/pay", key, "p")
 			if first.status != http.StatusCreated || up.runs.Load() != 1 {
 				t.Fatalf("first: %d, runs %d", first.status, up.runs.Load())
@@ -245,7 +245,7 @@ func TestProxyOnServerStores(t *testing.T) {
 
 func TestProxyUpstreamFailureNotStored(t *testing.T) {
 	up := newUpstream(t)
-	base, _ := startProxy(t, "--upstream", up.srv.URL, "--upstream-timeout", "100ms", "--lease", "10s")
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--single-tenant")
 	up.status.Store(500)
 	if r := send(t, "POST", base+"/p", "k500", "x"); r.status != 500 {
 		t.Fatalf("upstream 500: %d", r.status)
@@ -254,20 +254,35 @@ func TestProxyUpstreamFailureNotStored(t *testing.T) {
 	if r := send(t, "POST", base+"/p", "k500", "x"); r.status != 201 || r.header.Get("Idempotent-Replayed") != "" || up.runs.Load() != 2 {
 		t.Fatalf("retry after 500: %d %v, runs %d", r.status, r.header, up.runs.Load())
 	}
-
-	up.delay.Store(int64(5 * time.Second))
-	if r := send(t, "POST", base+"/p", "ktimeout", "x"); r.status != http.StatusGatewayTimeout {
-		t.Fatalf("upstream timeout: %d %q", r.status, r.body)
+	// 429 and 401 are temporary refusals: not stored, a retry is forwarded.
+	for _, st := range []int64{429, 401} {
+		up.status.Store(st)
+		key := fmt.Sprintf("k%d", st)
+		r1 := send(t, "POST", base+"/p", key, "x")
+		up.status.Store(0)
+		before := up.runs.Load()
+		r2 := send(t, "POST", base+"/p", key, "x")
+		if r1.status != int(st) || r1.header.Get("Idempotency-Key-Expires") != "" || r2.status != 201 || r2.header.Get("Idempotent-Replayed") != "" || up.runs.Load() != before+1 {
+			t.Errorf("%d then retry: %d (expires %q), %d %v, runs %d", st, r1.status, r1.header.Get("Idempotency-Key-Expires"), r2.status, r2.header, up.runs.Load())
+		}
 	}
-	up.delay.Store(0)
-	if r := send(t, "POST", base+"/p", "ktimeout", "x"); r.status != 201 || r.header.Get("Idempotent-Replayed") != "" || up.runs.Load() != 4 {
-		t.Fatalf("retry after a timeout: %d %v, runs %d", r.status, r.header, up.runs.Load())
+
+	// A dial error never reached an upstream: released, the retry runs.
+	ln := httptest.NewServer(http.NotFoundHandler())
+	dead := ln.URL
+	ln.Close()
+	base2, _ := startProxy(t, "--upstream", dead, "--single-tenant")
+	if r := send(t, "POST", base2+"/p", "kdial", "x"); r.status != http.StatusBadGateway {
+		t.Fatalf("dead upstream: %d %q", r.status, r.body)
+	}
+	if r := send(t, "POST", base2+"/p", "kdial", "x"); r.status != http.StatusBadGateway {
+		t.Fatalf("retry to a dead upstream: %d %q, want 502 again (the key was released)", r.status, r.body)
 	}
 }
 
 func TestProxyPassThroughAndRequiredKey(t *testing.T) {
 	up := newUpstream(t)
-	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key")
+	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key", "--single-tenant")
 	if r := send(t, "GET", base+"/items", "k", ""); r.status != 200 || r.body != "get /items" {
 		t.Errorf("GET: %d %q", r.status, r.body)
 	}
@@ -280,7 +295,7 @@ func TestProxyPassThroughAndRequiredKey(t *testing.T) {
 	if up.runs.Load() != 0 {
 		t.Errorf("upstream ran %d times", up.runs.Load())
 	}
-	base2, _ := startProxy(t, "--upstream", up.srv.URL)
+	base2, _ := startProxy(t, "--upstream", up.srv.URL, "--single-tenant")
 	send(t, "POST", base2+"/items", "", "x")
 	send(t, "POST", base2+"/items", "", "x")
 	if up.runs.Load() != 2 {
@@ -302,7 +317,7 @@ func (downStore) Close() error                               { return nil }
 
 func TestProxyStoreDown(t *testing.T) {
 	up := newUpstream(t)
-	f, err := parseProxy([]string{"--upstream", up.srv.URL}, io.Discard)
+	f, err := parseProxy([]string{"--upstream", up.srv.URL, "--single-tenant"}, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -328,7 +343,7 @@ func TestProxyStoreDown(t *testing.T) {
 	ln := httptest.NewServer(http.NotFoundHandler())
 	addr := strings.TrimPrefix(ln.URL, "http://")
 	ln.Close()
-	code, _, stderr := runArgs(t, "proxy", "--upstream", up.srv.URL, "--store", "redis", "--addr", addr, "--listen", "127.0.0.1:0")
+	code, _, stderr := runArgs(t, "proxy", "--upstream", up.srv.URL, "--single-tenant", "--store", "redis", "--addr", addr, "--listen", "127.0.0.1:0")
 	if code != exitFail || !strings.Contains(stderr, "open the redis store") {
 		t.Errorf("unreachable redis: exit %d, %q", code, stderr)
 	}
@@ -341,21 +356,28 @@ func TestProxyFlags(t *testing.T) {
 		want string
 	}{
 		{nil, "--upstream is required"},
+		{[]string{"--upstream", "http://x"}, "--tenant-header is required"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--tenant-header", "X-T"}, "exclude each other"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--max-body", "1000000000"}, "--max-body"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--no-store-status", "200"}, "--no-store-status"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--log-format", "xml"}, "--log-format"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--admin-listen", "nope"}, "--admin-listen"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--read-timeout", "-1s"}, "--read-timeout"},
 		{[]string{"--upstream", "ftp://x"}, "--upstream must be"},
-		{[]string{"--upstream", "http://x", "--listen", "nope"}, "--listen"},
-		{[]string{"--upstream", "http://x", "--store", "mongo"}, "--store must be one of"},
-		{[]string{"--upstream", "http://x", "--store", "sqlite"}, "--path"},
-		{[]string{"--upstream", "http://x", "--path", "f.db"}, "--path applies only"},
-		{[]string{"--upstream", "http://x", "--addr", "h:1"}, "--addr applies only"},
-		{[]string{"--upstream", "http://x", "--lease", "0s"}, "--lease"},
-		{[]string{"--upstream", "http://x", "--retention", "-1h"}, "--retention"},
-		{[]string{"--upstream", "http://x", "--wait", "-1s"}, "--wait"},
-		{[]string{"--upstream", "http://x", "--lease", "10s", "--upstream-timeout", "20s"}, "--upstream-timeout"},
-		{[]string{"--upstream", "http://x", "--max-body", "0"}, "--max-body"},
-		{[]string{"--upstream", "http://x", "--max-stored-body", "-1"}, "--max-stored-body"},
-		{[]string{"--upstream", "http://x", "--lease", "soon"}, "--lease"},
-		{[]string{"--upstream", "http://x", "--frob"}, "unknown flag --frob"},
-		{[]string{"--upstream", "http://x", "extra"}, "unexpected argument"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--listen", "nope"}, "--listen"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--store", "mongo"}, "--store must be one of"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--store", "sqlite"}, "--path"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--path", "f.db"}, "--path applies only"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--addr", "h:1"}, "--addr applies only"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--lease", "0s"}, "--lease"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--retention", "-1h"}, "--retention"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--wait", "-1s"}, "--wait"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--lease", "10s", "--upstream-timeout", "20s"}, "--upstream-timeout"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--max-body", "0"}, "--max-body"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--max-stored-body", "-1"}, "--max-stored-body"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--lease", "soon"}, "--lease"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "--frob"}, "unknown flag --frob"},
+		{[]string{"--upstream", "http://x", "--single-tenant", "extra"}, "unexpected argument"},
 	} {
 		code, stdout, stderr := runArgs(t, append([]string{"proxy"}, tc.args...)...)
 		if code != exitUsage || stdout != "" || !strings.Contains(stderr, tc.want) {
@@ -366,7 +388,8 @@ func TestProxyFlags(t *testing.T) {
 	if code != exitOK {
 		t.Errorf("-h: exit %d", code)
 	}
-	for _, w := range []string{"--upstream", "--listen", "--store", "--path", "--addr", "--tenant-header", "--require-key", "--retention", "--lease", "--wait", "--upstream-timeout", "--shutdown-timeout"} {
+	for _, w := range []string{"--upstream", "--listen", "--store", "--path", "--addr", "--tenant-header", "--require-key", "--retention", "--lease", "--wait", "--upstream-timeout", "--shutdown-timeout",
+		"--single-tenant", "--principal-header", "--no-store-status", "--store-errors", "--admin-listen", "--read-timeout", "--write-timeout", "--idle-timeout", "DEDUP_PROXY_"} {
 		if !strings.Contains(stdout, w) {
 			t.Errorf("proxy -h lacks %s", w)
 		}
