@@ -33,10 +33,16 @@ import (
 // The adapter must send batch[i].ID as the broker's deduplication header
 // on every attempt (Nats-Msg-Id, message-id, a Kafka header) and never
 // invent an ID. Messages of one Key must reach the broker in slice order
-// (one ordered connection or channel per batch is enough): the relay
-// marks as published only the acknowledged prefix of each Key's messages
-// in the batch and sends the rest again, so a broker that keeps a
-// connection's order keeps each Key's order.
+// (one ordered connection or channel per batch is enough), and once the
+// send of a message fails (an error before it left, such as a payload
+// over the broker's limit) no later message of its Key may be sent in
+// that call: report them [ErrNotSent] (the NATS adapter stops the whole
+// batch there). The relay marks as published only the acknowledged
+// prefix of each Key's messages and sends the rest again, so each Key's
+// order holds at the broker, except when the broker rejects a message
+// asynchronously after it accepted the connection's later ones: then
+// the later ones of that Key were stored first (docs/DESIGN.md,
+// "Outbox relay").
 //
 // Publish must not retain batch, its payloads or results after it
 // returns. It is called by one goroutine per partition; an adapter shared

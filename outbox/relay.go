@@ -36,8 +36,8 @@ type Relay struct {
 	done    chan struct{}
 
 	stats struct {
-		published, failed, quarantined, batches, leaseLost atomic.Int64
-		held                                               atomic.Int64
+		published, failed, quarantined, batches, leaseLost, fetches atomic.Int64
+		held                                                        atomic.Int64
 	}
 }
 
@@ -48,6 +48,7 @@ type Stats struct {
 	Quarantined int64 // messages quarantined
 	Batches     int64 // batches published
 	LeaseLost   int64 // marks refused because a lease was taken over
+	Fetches     int64 // reads of a partition, empty ones included
 	Partitions  int   // partitions held now
 }
 
@@ -89,7 +90,7 @@ func (r *Relay) ID() string { return r.cfg.id }
 func (r *Relay) Stats() Stats {
 	return Stats{
 		Published: r.stats.published.Load(), Failed: r.stats.failed.Load(), Quarantined: r.stats.quarantined.Load(),
-		Batches: r.stats.batches.Load(), LeaseLost: r.stats.leaseLost.Load(), Partitions: int(r.stats.held.Load()),
+		Batches: r.stats.batches.Load(), Fetches: r.stats.fetches.Load(), LeaseLost: r.stats.leaseLost.Load(), Partitions: int(r.stats.held.Load()),
 	}
 }
 
@@ -352,6 +353,7 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 		}
 		l := *w.lease.Load()
 		msgs, err := r.src.Fetch(ctx, l, r.cfg.batch, r.cfg.policy == Skip)
+		r.stats.fetches.Add(1)
 		if err != nil {
 			if ctx.Err() == nil {
 				r.cfg.logger.Warn("outbox relay fetch failed", "relay", r.cfg.id, "partition", l.Partition, "err", err)
