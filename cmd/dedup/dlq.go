@@ -107,7 +107,7 @@ func runDLQ(args []string, stdout, stderr io.Writer) int {
 	var f dlqFlags
 	fs := newDLQFlagSet(sub, &f)
 	id := ""
-	if err := fs.Parse(args[1:]); err != nil {
+	if err := parseInterspersed(fs, args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			printUsage(stdout, dlqAbout, fs)
 			return exitOK
@@ -155,17 +155,17 @@ func (f *dlqFlags) check(sub string) error {
 	if f.natsURL == "" {
 		f.natsURL = "nats://127.0.0.1:4222"
 	}
-	if f.limit < 0 {
-		return badUsage("--limit must not be negative, got %d", f.limit)
+	if f.limit < 0 || f.limit > maxLimit {
+		return badUsage("--limit must be between 0 (all) and %d, got %d", maxLimit, f.limit)
 	}
-	if f.timeout <= 0 {
-		return badUsage("--timeout must be positive, got %v", f.timeout)
+	if err := checkTimeout(f.timeout); err != nil {
+		return err
 	}
 	if sub != "replay" {
 		return nil
 	}
-	if f.rate == 0 {
-		return badUsage("--rate must not be 0 (negative: no limit)")
+	if f.rate == 0 || f.rate > maxRate || f.rate != f.rate {
+		return badUsage("--rate must be a number of records per second up to %d (negative: no limit), got %v", maxRate, f.rate)
 	}
 	switch f.store {
 	case "":
@@ -385,7 +385,7 @@ func dlqReplay(ctx context.Context, f *dlqFlags, nc *nats.Conn, q *dedupnats.DLQ
 	if f.store != "" {
 		s, err := openStore(ctx, f.store, f.path, f.addr)
 		if err != nil {
-			fmt.Fprintf(stderr, "dedup dlq replay: open the %s store: %v\n", f.store, err)
+			fmt.Fprintf(stderr, "dedup dlq replay: open the %s store: %v\n", f.store, explainOpen(err, f.path, f.addr))
 			return exitFail
 		}
 		defer s.Close()

@@ -10,7 +10,11 @@
 //	go run ./cmd/dedup verify --store postgres --consumers 32 --dup-rate 0.5 --crash-rate 0.05
 //
 // `dedup migrate` creates the PostgreSQL store's schema and `dedup sweep`
-// deletes its expired records in bounded batches.
+// deletes its expired records in bounded batches. `dedup version` prints
+// the module version and VCS revision the binary was built from.
+//
+// Flags may come before or after a command's positional arguments
+// (`dedup dlq inspect 42 --payload`); "--" ends the flags.
 //
 // Run `dedup help` for the commands and `dedup verify -h` for the flags.
 //
@@ -48,6 +52,7 @@ func commands() []command {
 		{"migrate", "create or upgrade the schema of the PostgreSQL store", runMigrate},
 		{"sweep", "delete expired records from the PostgreSQL store in bounded batches", runSweep},
 		{"dlq", "list, inspect and replay dead-lettered messages under their original IDs (NATS dead-letter streams)", runDLQ},
+		{"version", "print the module version, VCS revision and Go version of this binary", runVersion},
 	}
 }
 
@@ -60,6 +65,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	name := args[0]
 	switch name {
+	case "-version", "--version":
+		return runVersion(nil, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		if len(args) > 1 && name == "help" {
 			return run([]string{args[1], "-h"}, stdout, stderr)
@@ -99,5 +106,6 @@ Commands:
 	}
 	fmt.Fprint(w, `
 Run 'dedup help <command>' or 'dedup <command> -h' for a command's flags.
+Flags may come before or after a command's arguments; "--" ends them.
 `)
 }

@@ -56,8 +56,14 @@ func (f *pgFlags) connString() string {
 
 // check validates the shared flags, naming the flag that is wrong.
 func (f *pgFlags) check() error {
-	if f.timeout <= 0 {
-		return badUsage("--timeout must be positive, got %v", f.timeout)
+	if err := checkTimeout(f.timeout); err != nil {
+		return err
+	}
+	if f.prefix == "" {
+		// pgstore accepts an empty prefix (tables named records, outbox
+		// and schema_migrations, the last being golang-migrate's own
+		// table): from the command line it is far likelier a mistake.
+		return badUsage("--prefix must not be empty: the tables would be named records, outbox and schema_migrations (the name golang-migrate uses) in schema %s; keep the default dedup_ or choose another prefix", f.schema)
 	}
 	var ae *dedup.ArgumentError
 	if _, err := pgstore.New(nil, f.options()...); errors.As(err, &ae) && ae.Arg != "pool" {
@@ -88,14 +94,14 @@ func (f *pgFlags) options() []pgstore.Option {
 func (f *pgFlags) open(ctx context.Context) (*pgstore.Store, error) {
 	s, err := pgstore.Open(ctx, f.connString(), f.options()...)
 	if err != nil {
-		return nil, fmt.Errorf("%w\nSet --addr or DEDUP_POSTGRES_URL to the database's connection string", err)
+		return nil, explainPostgres(err, f.connString())
 	}
 	return s, nil
 }
 
 // parseCommand parses args into fs, printing help for -h.
 func parseCommand(fs *flag.FlagSet, args []string, about string, stdout io.Writer) error {
-	if err := fs.Parse(args); err != nil {
+	if err := parseInterspersed(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			printUsage(stdout, about, fs)
 			return err
@@ -276,12 +282,12 @@ func runSweep(args []string, stdout, stderr io.Writer) int {
 	}
 	if err == nil {
 		switch {
-		case batch < 1:
-			err = badUsage("--batch must be at least 1, got %d", batch)
+		case batch < 1 || batch > maxBatch:
+			err = badUsage("--batch must be between 1 and %d, got %d", maxBatch, batch)
 		case maxBatches < 0:
 			err = badUsage("--max-batches must not be negative, got %d", maxBatches)
-		case pause < 0:
-			err = badUsage("--pause must not be negative, got %v", pause)
+		case pause < 0 || pause > maxPause:
+			err = badUsage("--pause must be between 0 and %v, got %v", maxPause, pause)
 		case !untilEmpty && maxBatches != 0:
 			err = badUsage("--max-batches applies only with --until-empty")
 		}

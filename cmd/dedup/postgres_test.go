@@ -132,7 +132,7 @@ func TestMigrateSweepBadFlags(t *testing.T) {
 		{[]string{"migrate", "--partitions", "24h", "--ahead", "1h"}, []string{"--ahead"}},
 		{[]string{"migrate", "--timeout", "0s"}, []string{"--timeout"}},
 		{[]string{"migrate", "leftover"}, []string{`"leftover"`}},
-		{[]string{"sweep", "--batch", "0"}, []string{"--batch", "at least 1"}},
+		{[]string{"sweep", "--batch", "0"}, []string{"--batch", "between 1 and"}},
 		{[]string{"sweep", "--batch", "many"}, []string{"--batch", `"many"`}},
 		{[]string{"sweep", "--max-batches", "3"}, []string{"--max-batches", "--until-empty"}},
 		{[]string{"sweep", "--until-empty", "--pause", "-1s"}, []string{"--pause"}},

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/jackc/pgx/v5/pgconn"
 	"io"
 	"os"
 	"os/signal"
@@ -130,7 +131,7 @@ func badUsage(format string, args ...any) error {
 func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, error) {
 	var f verifyFlags
 	fs := newVerifyFlagSet(&f)
-	if err := fs.Parse(args); err != nil {
+	if err := parseInterspersed(fs, args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			printUsage(stdout, verifyAbout, fs)
 			return f, verify.Backend{}, err
@@ -165,8 +166,11 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 	if f.flush < 0 || (f.flush > 0 && b.Name != "layered") {
 		return f, b, badUsage("--flush-every applies only to --store layered and takes a count of deliveries >= 0, got %d", f.flush)
 	}
-	if f.timeout <= 0 {
-		return f, b, badUsage("--timeout must be positive, got %v", f.timeout)
+	if err := checkTimeout(f.timeout); err != nil {
+		return f, b, err
+	}
+	if f.cfg.Lease > maxLease {
+		return f, b, badUsage("--lease must be at most %v, got %v", maxLease, f.cfg.Lease)
 	}
 	switch f.broker {
 	case "simulated":
@@ -251,7 +255,7 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 		Lease: f.cfg.Lease, Messages: f.cfg.Messages,
 	})
 	if err != nil {
-		fmt.Fprintf(stderr, "dedup verify: open the %s store: %v\n", b.Name, err)
+		fmt.Fprintf(stderr, "dedup verify: open the %s store: %v\n", b.Name, explainOpen(err, f.path, f.addr))
 		return exitFail
 	}
 	path := verify.PathOf(t)
@@ -279,7 +283,9 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dedup verify: close the %s store: %v\n", b.Name, cerr)
 	}
 	if runErr != nil {
-		fmt.Fprintf(stderr, "dedup verify: %v\n", runErr)
+		// The verify package prefixes its errors with "verify: " as a
+		// library does; the command's own prefix already says it.
+		fmt.Fprintf(stderr, "dedup verify: %s\n", strings.TrimPrefix(runErr.Error(), "verify: "))
 		return exitFail
 	}
 	rep.Path = keptPath
@@ -407,4 +413,25 @@ func sample(ids []string) string {
 		return ""
 	}
 	return "  (e.g. " + strings.Join(ids, ", ") + ")"
+}
+
+// explainOpen makes a store's open error specific: what PostgreSQL
+// answered when a server did, which SQLite file could not be opened and
+// why.
+func explainOpen(err error, path, addr string) error {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		conn := addr
+		if conn == "" {
+			conn = os.Getenv("DEDUP_POSTGRES_URL")
+		}
+		if conn == "" {
+			conn = defaultPostgresURL
+		}
+		return explainPostgres(err, conn)
+	}
+	if path != "" {
+		return explainSQLitePath(err, path)
+	}
+	return err
 }
