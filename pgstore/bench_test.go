@@ -307,6 +307,68 @@ func BenchmarkCompleteBatch(b *testing.B) {
 	}
 }
 
+// BenchmarkCompleteBatchLockOrder measures what locking a batch
+// completion's rows in key order costs (issue 12): the statement as it is
+// (a LATERAL FOR UPDATE probe per item, then the UPDATE) against the old
+// single UPDATE ... FROM unnest, whose locks follow the plan. Each round
+// claims a batch for each case (untimed) and then times one CompleteBatch
+// per case, in an order that rotates from round to round, on both
+// layouts. It reports completions per second for each case and their
+// ratio (ordered over unordered).
+func BenchmarkCompleteBatchLockOrder(b *testing.B) {
+	for _, size := range []int{100, 1000} {
+		for _, l := range []struct {
+			name string
+			opts []pgstore.Option
+		}{{"plain", nil}, {"partitioned", []pgstore.Option{pgstore.WithPartitions(24 * time.Hour)}}} {
+			b.Run(fmt.Sprintf("%s/%d", l.name, size), func(b *testing.B) {
+				ordered, _ := benchStore(b, l.opts...)
+				unordered, err := pgstore.New(ordered.Pool(), append([]pgstore.Option{pgstore.WithSchema(schemaOf(ordered))}, l.opts...)...)
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer unordered.Close()
+				pgstore.UseUnorderedCompleteBatch(unordered)
+				ctx := context.Background()
+				g := newIDs()
+				stores := []*pgstore.Store{ordered, unordered}
+				took := make([]time.Duration, len(stores))
+				round := 0
+				for b.Loop() {
+					for k := range stores {
+						i := (k + round) % len(stores)
+						b.StopTimer()
+						reqs := make([]dedup.ClaimRequest, size)
+						for j := range reqs {
+							reqs[j] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: g.next()}, Fingerprint: fpA}
+						}
+						cs, err := stores[i].ClaimBatch(ctx, reqs, time.Minute)
+						if err != nil {
+							b.Fatal(err)
+						}
+						items := make([]dedup.Completion, size)
+						for j, c := range cs {
+							items[j] = dedup.Completion{Claim: c, Result: []byte("ok")}
+						}
+						b.StartTimer()
+						start := time.Now()
+						errs, err := stores[i].CompleteBatch(ctx, items, time.Hour)
+						took[i] += time.Since(start)
+						if err != nil || errs[size-1] != nil {
+							b.Fatal(err, errs[size-1])
+						}
+					}
+					round++
+				}
+				rate := func(i int) float64 { return float64(round*size) / took[i].Seconds() }
+				b.ReportMetric(rate(0), "ordered-completions/s")
+				b.ReportMetric(rate(1), "unordered-completions/s")
+				b.ReportMetric(rate(0)/rate(1), "ordered/unordered")
+			})
+		}
+	}
+}
+
 // BenchmarkInbox compares a business transaction that inserts one ledger
 // row (BEGIN, INSERT, COMMIT; the ledger has a serial primary key, as
 // ledgers do) with the same transaction through RunInbox, which adds the

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"strconv"
 	"strings"
+	"time"
 
+	"github.com/dedupkit/dedup"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -46,6 +48,16 @@ const returning = `state, token, attempts, fingerprint, result, lease_until, exp
 // statement, so every CASE of one upsert agrees, and never the client's.
 const now = `statement_timestamp()`
 
+// deadline caps a timestamp expression at dedup.MaxTime, so that a lease
+// or retention of "forever" is stored as the latest time every store can
+// represent instead of failing or overflowing (micros keeps the sum itself
+// within timestamptz's range).
+func deadline(expr string) string { return `LEAST(` + expr + `, ` + maxTimestamp + `)` }
+
+// maxTimestamp is dedup.MaxTime as a timestamptz literal, truncated to
+// PostgreSQL's microseconds.
+var maxTimestamp = sqlLiteral(dedup.MaxTime.Truncate(time.Microsecond).Format("2006-01-02 15:04:05.999999Z07:00")) + `::timestamptz`
+
 // usec turns a microseconds parameter or literal into an interval.
 func usec(x string) string { return `(` + x + ` * interval '1 microsecond')` }
 
@@ -78,14 +90,14 @@ func leaseKind(leaseParam string, grace int64) kind {
 	g := strconv.FormatInt(grace, 10)
 	return kind{
 		state:      "1",
-		leaseUntil: now + ` + ` + usec(leaseParam+`::int8`),
-		expiresAt:  now + ` + ` + usec(`(`+leaseParam+`::int8 + `+g+`)`),
+		leaseUntil: deadline(now + ` + ` + usec(leaseParam+`::int8`)),
+		expiresAt:  deadline(now + ` + ` + usec(`(`+leaseParam+`::int8 + `+g+`)`)),
 		result:     "NULL",
 	}
 }
 
 func inboxKind(n *names, scope, retentionParam string) kind {
-	return kind{state: "2", leaseUntil: now, expiresAt: now + ` + ` + retentionFor(n, scope, retentionParam), result: "NULL"}
+	return kind{state: "2", leaseUntil: now, expiresAt: deadline(now + ` + ` + retentionFor(n, scope, retentionParam)), result: "NULL"}
 }
 
 // applyKind is inboxKind with the result ($6) stored at once.
@@ -270,24 +282,38 @@ RETURNING r.attempts, r.lease_until, r.expires_at`,
 		// only write while it is in progress.
 		complete: `UPDATE ` + table + ` SET
 	result     = CASE WHEN state = 1 THEN $4::bytea ELSE result END,
-	expires_at = CASE WHEN state = 1 THEN ` + now + ` + ` + retentionFor(n, "$1::text", "$5") + ` ELSE expires_at END,
+	expires_at = CASE WHEN state = 1 THEN ` + deadline(now+` + `+retentionFor(n, "$1::text", "$5")) + ` ELSE expires_at END,
 	state      = 2
 WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
 		// CompleteBatch: complete for each (scope, id, token, result) of
 		// four parallel arrays; returns the ordinal of each item whose
-		// token owns its record. The items must be distinct: PostgreSQL
-		// updates a row once per statement, with any one of the items
-		// that match it.
-		completeBatch: `UPDATE ` + table + ` r SET
+		// token owns its record. The items must be distinct and sorted by
+		// key. Locks are taken in that order by construction, whatever
+		// plan the server picks for the update (on a fresh table, a hash
+		// join over a sequential scan visits rows in heap order): the CTE
+		// l locks every item's row first, one primary-key probe per item
+		// in array order (a LATERAL subquery with FOR NO KEY UPDATE cannot
+		// be flattened or hashed, so it runs once per row of unnest, in
+		// its order), and the update waits for it through a one-time
+		// filter on its count, which the executor evaluates before the
+		// update reads a single row. The update then only visits rows it
+		// holds already. A row changed by another transaction after the
+		// statement began is updated in its latest version (PostgreSQL
+		// re-checks the WHERE clause on it), as before.
+		completeBatch: `WITH l AS MATERIALIZED (
+	SELECT count(*) AS n FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, token)
+	CROSS JOIN LATERAL (
+		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x)
+UPDATE ` + table + ` r SET
 	result     = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
-	expires_at = CASE WHEN r.state = 1 THEN ` + now + ` + ` + retentionFor(n, "u.scope", "$5") + ` ELSE r.expires_at END,
+	expires_at = CASE WHEN r.state = 1 THEN ` + deadline(now+` + `+retentionFor(n, "u.scope", "$5")) + ` ELSE r.expires_at END,
 	state      = 2
 FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
-WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token
+WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
 RETURNING u.o`,
 		release: `DELETE FROM ` + table + ` WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1`,
-		extend: `UPDATE ` + table + ` SET lease_until = ` + now + ` + ` + usec("$4::int8") + `,
-	expires_at = ` + now + ` + ` + usec("($4::int8 + "+strconv.FormatInt(grace, 10)+")") + `
+		extend: `UPDATE ` + table + ` SET lease_until = ` + deadline(now+` + `+usec("$4::int8")) + `,
+	expires_at = ` + deadline(now+` + `+usec("($4::int8 + "+strconv.FormatInt(grace, 10)+")")) + `
 WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1
 RETURNING lease_until`,
 		inboxResult: `UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 2`,

@@ -297,8 +297,17 @@ func (s *Store) keyLock(k dedup.Key) int64 {
 
 // micros returns d in whole microseconds, rounded up, for SQL intervals.
 func micros(d time.Duration) int64 {
-	return int64((d + time.Microsecond - 1) / time.Microsecond)
+	us := int64(d / time.Microsecond)
+	if d%time.Microsecond > 0 {
+		us++ // round up, without the overflow of (d + 999ns) / 1us near the maximum
+	}
+	return min(us, maxMicros)
 }
+
+// maxMicros caps a duration sent to the server at 300 years: now plus it
+// stays inside timestamptz's range, and the statements then cap the
+// deadline at dedup.MaxTime (see deadline), so "forever" stays forever.
+const maxMicros = 300 * 366 * 24 * 3600 * 1_000_000
 
 // fpBytes returns the fingerprint as a non-nil byte slice (pgx sends a nil
 // slice as NULL).
