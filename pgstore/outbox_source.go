@@ -296,8 +296,13 @@ func (o *OutboxSource) Listen(ctx context.Context, wake func()) error {
 		return o.s.fail(ctx, "outbox listen", err, true)
 	}
 	wake() // rows may have been written before LISTEN
+	// The pool's cancel handling may wait seconds before it interrupts a
+	// read; this session is closed anyway, so on ctx done its socket is
+	// closed at once.
+	stop := context.AfterFunc(ctx, func() { conn.Conn().PgConn().Conn().Close() })
+	defer stop()
 	for {
-		if _, err := conn.Conn().WaitForNotification(ctx); err != nil {
+		if _, err := conn.Conn().WaitForNotification(context.WithoutCancel(ctx)); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}

@@ -51,6 +51,8 @@ func commands() []command {
 		{"proxy", "an HTTP idempotency reverse proxy: Idempotency-Key semantics in front of any HTTP service", runProxy},
 		{"migrate", "create or upgrade the schema of the PostgreSQL store", runMigrate},
 		{"sweep", "delete expired records from the PostgreSQL store in bounded batches", runSweep},
+		{"relay", "run the outbox relay: publish outbox rows (PostgreSQL or SQLite) to NATS JetStream in commit order per key", runRelay},
+		{"outbox", "outbox status, list, and retry or drop of quarantined rows (PostgreSQL)", runOutbox},
 		{"dlq", "list, inspect and replay dead-lettered messages under their original IDs (NATS dead-letter streams)", runDLQ},
 		{"version", "print the module version, VCS revision and Go version of this binary", runVersion},
 	}
