@@ -68,14 +68,14 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 // most one batch's delete of that row. Call it in a loop until it deletes
 // fewer than limit, or run a [SweepJob].
 func (s *Store) SweepOnce(ctx context.Context, limit int) (SweepResult, error) {
-	r, _, err := s.sweepOnce(ctx, limit, nil)
+	r, _, err := s.sweepOnce(ctx, limit, nil, wallClock{})
 	return r, err
 }
 
 // sweepOnce is SweepOnce for rows that expired at from or later (nil: any),
 // and returns the latest expiry it deleted (nil if none), where the next
 // batch of a pass starts.
-func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time) (SweepResult, *time.Time, error) {
+func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time, clock sweepClock) (SweepResult, *time.Time, error) {
 	var r SweepResult
 	if limit <= 0 {
 		return r, nil, &dedup.ArgumentError{Arg: "sweep limit", Reason: "must be positive"}
@@ -83,7 +83,7 @@ func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time) (Swee
 	if err := s.begin(ctx, "sweep"); err != nil {
 		return r, nil, err
 	}
-	start := time.Now()
+	start := clock.Now()
 	var n, maxLag, meanLag int64
 	var last *time.Time
 	if err := s.pool.QueryRow(ctx, s.sql.sweep, limit, from).Scan(&n, &maxLag, &meanLag, &last); err != nil {
@@ -91,7 +91,7 @@ func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time) (Swee
 	}
 	r.Deleted, r.Batches = int(n), 1
 	r.MaxLag, r.MeanLag = time.Duration(maxLag)*time.Microsecond, time.Duration(meanLag)*time.Microsecond
-	r.Elapsed = time.Since(start)
+	r.Elapsed = clock.Now().Sub(start)
 	return r, last, nil
 }
 
@@ -106,10 +106,44 @@ func (s *Store) SweepUntilEmpty(ctx context.Context, limit, maxBatches int, paus
 }
 
 // pacing spaces the batches of a sweep: after a batch that took d, the
-// sweeper pauses the longer of pause and ratio × d.
+// sweeper pauses the longer of pause and ratio × d, as clock (nil: the
+// wall clock) measures and waits.
 type pacing struct {
 	pause time.Duration
 	ratio float64
+	clock sweepClock
+}
+
+// sweepClock is the time source of a sweep: it times the batches and waits
+// out the pauses between them. Tests put in a clock of their own, which
+// counts what the pacing decided without waiting (see export_sweep_test.go).
+type sweepClock interface {
+	Now() time.Time
+	// Sleep waits d, or until ctx is done, and then returns ctx.Err().
+	Sleep(ctx context.Context, d time.Duration) error
+}
+
+// wallClock is the real time.
+type wallClock struct{}
+
+func (wallClock) Now() time.Time { return time.Now() }
+
+func (wallClock) Sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+func (p pacing) clockOrWall() sweepClock {
+	if p.clock == nil {
+		return wallClock{}
+	}
+	return p.clock
 }
 
 func (p pacing) after(batch time.Duration) time.Duration {
@@ -117,13 +151,14 @@ func (p pacing) after(batch time.Duration) time.Duration {
 }
 
 func (s *Store) sweepUntilEmpty(ctx context.Context, limit, maxBatches int, pace pacing) (total SweepResult, err error) {
-	start := time.Now()
-	defer func() { total.Elapsed = time.Since(start) }()
+	clock := pace.clockOrWall()
+	start := clock.Now()
+	defer func() { total.Elapsed = clock.Now().Sub(start) }()
 	// Each batch starts where the last one ended; rows it skipped because
 	// a transaction held them are left for the next pass.
 	var from *time.Time
 	for maxBatches <= 0 || total.Batches < maxBatches {
-		r, last, err := s.sweepOnce(ctx, limit, from)
+		r, last, err := s.sweepOnce(ctx, limit, from, clock)
 		if err != nil {
 			return total, err
 		}
@@ -133,12 +168,8 @@ func (s *Store) sweepUntilEmpty(ctx context.Context, limit, maxBatches int, pace
 		}
 		from = last
 		if pause := pace.after(r.Elapsed); pause > 0 {
-			t := time.NewTimer(pause)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return total, s.fail(ctx, "sweep", ctx.Err(), true)
-			case <-t.C:
+			if err := clock.Sleep(ctx, pause); err != nil {
+				return total, s.fail(ctx, "sweep", err, true)
 			}
 		}
 	}
@@ -180,6 +211,10 @@ type SweepOptions struct {
 	// OnPass, if set, is called after every pass with what it did and its
 	// error (nil on success), from the job's goroutine.
 	OnPass func(SweepResult, error)
+
+	// clock times the batches and waits out the pauses; nil is the wall
+	// clock. Set by tests only.
+	clock sweepClock
 }
 
 // SweepJob is a background sweeper started by [Store.StartSweeping]. Each
@@ -257,7 +292,7 @@ func (j *SweepJob) run(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		r, err := j.store.maintain(ctx, j.opts.BatchSize, j.opts.MaxBatches, pacing{pause: j.opts.Pause, ratio: j.opts.PauseRatio})
+		r, err := j.store.maintain(ctx, j.opts.BatchSize, j.opts.MaxBatches, pacing{pause: j.opts.Pause, ratio: j.opts.PauseRatio, clock: j.opts.clock})
 		if ctx.Err() != nil {
 			// Stopped mid-pass: the cancellation is not a failure.
 			err = nil
@@ -312,8 +347,9 @@ func (s *Store) Maintain(ctx context.Context, limit, maxBatches int, pause time.
 }
 
 func (s *Store) maintain(ctx context.Context, limit, maxBatches int, pace pacing) (total SweepResult, err error) {
-	start := time.Now()
-	defer func() { total.Elapsed = time.Since(start) }()
+	clock := pace.clockOrWall()
+	start := clock.Now()
+	defer func() { total.Elapsed = clock.Now().Sub(start) }()
 	var errs []error
 	if s.cfg.partition > 0 {
 		created, err := s.EnsurePartitions(ctx)

@@ -165,12 +165,52 @@ func TestSweepRacingClaims(t *testing.T) {
 	})
 }
 
-// A pass paces itself by the time its batches take: with PauseRatio k it
-// pauses k times as long as each batch took, so it takes at least k + 1
-// times its batches' time; with no pause it runs them back to back.
+// pacingClock is a sweep clock that counts what the pacing decided: every
+// reading advances it by the next step of a fixed, uneven sequence (so
+// batches "take" different times), and Sleep records the pause asked for
+// with the batch time the sweeper had just measured, then advances by the
+// pause, without waiting.
+type pacingClock struct {
+	mu     sync.Mutex
+	now    time.Time
+	reads  int
+	last   [2]time.Time // the two latest readings
+	pauses []pacingDecision
+}
+
+type pacingDecision struct{ batch, pause time.Duration }
+
+func (c *pacingClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.reads++
+	c.now = c.now.Add(time.Duration(1+c.reads%7) * time.Millisecond)
+	c.last = [2]time.Time{c.last[1], c.now}
+	return c.now
+}
+
+func (c *pacingClock) Sleep(ctx context.Context, d time.Duration) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.pauses = append(c.pauses, pacingDecision{batch: c.last[1].Sub(c.last[0]), pause: d})
+	c.now = c.now.Add(d)
+	return ctx.Err()
+}
+
+func (c *pacingClock) decisions() []pacingDecision {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]pacingDecision(nil), c.pauses...)
+}
+
+// TestSweepJobPacing checks the job's pacing by what it decided, on a
+// clock of the test's own: after each full batch it pauses the longer of
+// Pause and PauseRatio times the batch's time as measured, never after the
+// last batch, and not at all when both are off. No wall time is compared.
 func TestSweepJobPacing(t *testing.T) {
 	s := openStore(t)
-	pass := func(opts pgstore.SweepOptions) pgstore.SweepResult {
+	pass := func(opts pgstore.SweepOptions) (pgstore.SweepResult, []pacingDecision) {
+		t.Helper()
 		seed(t, s, "old-"+strconv.Itoa(rand.Int())+"-", 2000, time.Minute)
 		done := make(chan pgstore.SweepResult, 1)
 		opts.Interval, opts.BatchSize = time.Hour, 100
@@ -180,37 +220,60 @@ func TestSweepJobPacing(t *testing.T) {
 			}
 			done <- r
 		}
-		j, err := s.StartSweeping(opts)
+		clock := &pacingClock{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)}
+		j, err := s.StartSweeping(pgstore.WithSweepClock(opts, clock))
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer j.Close()
 		r := <-done
-		if r.Deleted != 2000 || r.Batches != 21 || r.Elapsed <= 0 {
+		if r.Deleted != 2000 || r.Batches != 21 {
 			t.Fatalf("pass = %+v, want 2000 rows in 21 batches (the last one empty)", r)
 		}
-		return r
+		return r, clock.decisions()
 	}
-	// The batches' own time, measured one by one.
-	seed(t, s, "probe-", 2000, time.Minute)
-	var batches time.Duration
-	for {
-		r, err := s.SweepOnce(context.Background(), 100)
-		if err != nil {
-			t.Fatal(err)
-		}
-		batches += r.Elapsed
-		if r.Deleted < 100 {
-			break
-		}
-	}
-	paced := pass(pgstore.SweepOptions{PauseRatio: 4, Pause: -1})
-	if paced.Elapsed < 3*batches {
-		t.Errorf("a pass with PauseRatio 4 took %v; its batches alone take about %v, so want at least %v", paced.Elapsed, batches, 3*batches)
-	}
-	unpaced := pass(pgstore.SweepOptions{PauseRatio: -1, Pause: -1})
-	if unpaced.Elapsed >= paced.Elapsed {
-		t.Errorf("a pass without pauses took %v, not less than the paced pass's %v", unpaced.Elapsed, paced.Elapsed)
+	for _, tc := range []struct {
+		name  string
+		opts  pgstore.SweepOptions
+		pause func(batch time.Duration) time.Duration // 0: none
+	}{
+		{"ratio 4", pgstore.SweepOptions{PauseRatio: 4, Pause: -1}, func(b time.Duration) time.Duration { return 4 * b }},
+		{"ratio 0.5, at least 3ms", pgstore.SweepOptions{PauseRatio: 0.5, Pause: 3 * time.Millisecond},
+			func(b time.Duration) time.Duration { return max(3*time.Millisecond, b/2) }},
+		{"defaults", pgstore.SweepOptions{}, func(b time.Duration) time.Duration { return max(time.Millisecond, b) }},
+		{"fixed 5ms", pgstore.SweepOptions{PauseRatio: -1, Pause: 5 * time.Millisecond}, func(time.Duration) time.Duration { return 5 * time.Millisecond }},
+		{"none", pgstore.SweepOptions{PauseRatio: -1, Pause: -1}, func(time.Duration) time.Duration { return 0 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, got := pass(tc.opts)
+			var want int
+			if tc.pause(time.Millisecond) > 0 {
+				want = r.Batches - 1 // a pause after every full batch, none after the last
+			}
+			if len(got) != want {
+				t.Fatalf("%d pauses in a pass of %d batches, want %d: %v", len(got), r.Batches, want, got)
+			}
+			var paused, batches time.Duration
+			distinct := map[time.Duration]bool{}
+			for i, d := range got {
+				if d.batch <= 0 {
+					t.Fatalf("pause %d follows a batch of %v as measured", i, d.batch)
+				}
+				if w := tc.pause(d.batch); d.pause != w {
+					t.Errorf("pause %d after a batch of %v: %v, want %v", i, d.batch, d.pause, w)
+				}
+				paused += d.pause
+				batches += d.batch
+				distinct[d.batch] = true
+			}
+			if want > 0 && len(distinct) < 2 {
+				t.Errorf("the clock gave every batch the same time (%v); the test needs uneven batches", got[0].batch)
+			}
+			// The pass's elapsed time, on the same clock, holds its pauses.
+			if r.Elapsed < paused+batches {
+				t.Errorf("pass elapsed %v on the test clock, less than its batches (%v) and pauses (%v)", r.Elapsed, batches, paused)
+			}
+		})
 	}
 	for _, bad := range []float64{math.NaN(), math.Inf(1)} {
 		if _, err := s.StartSweeping(pgstore.SweepOptions{PauseRatio: bad}); !errors.Is(err, dedup.ErrInvalidArgument) {

@@ -150,20 +150,20 @@ func TestVerifySQLiteSummary(t *testing.T) {
 
 func TestVerifyTimeoutFails(t *testing.T) {
 	t.Parallel()
-	start := time.Now()
+	// What proves the timeout is the report (timed out, messages left
+	// unfinished), not a wall-clock bound on the run: a run that ignored
+	// it would finish its million messages and pass, or hang until the
+	// test binary's own timeout.
 	code, stdout, stderr := runArgs(t, "verify", "--json", "--store", "memory", "--messages", "1000000", "--timeout", "100ms", "--quiet")
 	if code != exitFail {
 		t.Fatalf("exit %d, want %d; stderr %q", code, exitFail, stderr)
-	}
-	if el := time.Since(start); el > 20*time.Second {
-		t.Errorf("a 100ms timeout took %v", el)
 	}
 	if !strings.Contains(stderr, "timed out after 100ms") || !strings.Contains(stderr, "--timeout") {
 		t.Errorf("stderr does not explain the timeout: %q", stderr)
 	}
 	m := decodeReport(t, stdout)
-	if m["timed_out"] != true || m["ok"] != false {
-		t.Errorf("report does not fail the timeout: %s", stdout)
+	if n, _ := m["unfinished"].(float64); m["timed_out"] != true || m["ok"] != false || n <= 0 {
+		t.Errorf("report does not fail the timeout with messages unfinished: %s", stdout)
 	}
 }
 

@@ -266,13 +266,12 @@ func TestTimeoutFails(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
 	defer cancel()
-	start := time.Now()
+	// The report says the timeout ended the run (every message left
+	// unfinished); no wall-clock bound: a Run that ignored ctx would hang
+	// on the stuck store until the test binary's timeout.
 	rep, err := verify.Run(ctx, cfg, tg)
 	if err != nil {
 		t.Fatal(err)
-	}
-	if el := time.Since(start); el > 5*time.Second {
-		t.Errorf("Run took %v after a 300ms timeout", el)
 	}
 	if !rep.TimedOut || rep.OK || rep.Unfinished != cfg.Messages || rep.InProgressNacks == 0 {
 		t.Fatalf("timed out %v, ok %v, unfinished %d, in-progress nacks %d", rep.TimedOut, rep.OK, rep.Unfinished, rep.InProgressNacks)
