@@ -72,6 +72,12 @@ type StoreError struct {
 	// NotApplied is set when the store is certain the operation changed
 	// nothing (it was never sent, or its transaction rolled back).
 	NotApplied bool
+	// Transient is set when the server refused the operation for a
+	// passing condition of its own (a deadlock or serialization failure
+	// between concurrent transactions) and rolled it back: trying again at
+	// once is expected to succeed. [Runner] retries a completion that
+	// fails this way before giving up. It implies NotApplied.
+	Transient bool
 }
 
 func (e *StoreError) Error() string {
@@ -95,6 +101,14 @@ func (e *StoreError) Unwrap() error { return e.Err }
 // either way: a lost Claim's lease protects the key until it expires, and
 // Complete with the same token is idempotent.
 func (e *StoreError) SafeToRetry() bool { return e.NotApplied }
+
+// IsTransient reports whether err is or wraps a [*StoreError] whose
+// operation was refused by a passing condition and may be retried at once
+// (see StoreError.Transient).
+func IsTransient(err error) bool {
+	var se *StoreError
+	return errors.As(err, &se) && se.Transient
+}
 
 // IsStoreError reports whether err is or wraps a [*StoreError].
 func IsStoreError(err error) bool {

@@ -362,18 +362,47 @@ func (b *batch) heartbeat(ext Extender, stop <-chan struct{}, stopped chan<- str
 }
 
 // completeBatch completes items in one call and emits a finish event for
-// each.
+// each. A call the store refuses for a passing condition ([IsTransient])
+// is tried again (see [WithCompleteAttempts]); if it is still refused, the
+// items are completed one at a time, each with its own tries, since a
+// one-row completion holds a single lock and cannot be part of a
+// deadlock. An item refused alone that way (a store that sends items
+// separately) is retried alone too.
 func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error {
 	start := time.Now()
-	errs, err := CompleteBatch(ctx, r.store, items, r.cfg.retention)
-	if err == nil && len(errs) != len(items) {
-		err = &StoreError{Store: r.cfg.name, Op: "complete batch", Err: errors.New("the store returned " +
-			strconv.Itoa(len(errs)) + " results for " + strconv.Itoa(len(items)) + " completions")}
+	var (
+		errs []error
+		err  error
+	)
+	for try := range r.cfg.completeTries {
+		if try > 0 && !pause(ctx, try) {
+			break
+		}
+		errs, err = CompleteBatch(ctx, r.store, items, r.cfg.retention)
+		if err == nil && len(errs) != len(items) {
+			err = &StoreError{Store: r.cfg.name, Op: "complete batch", Err: errors.New("the store returned " +
+				strconv.Itoa(len(errs)) + " results for " + strconv.Itoa(len(items)) + " completions")}
+		}
+		if !IsTransient(err) {
+			break
+		}
 	}
-	if err != nil {
+	switch {
+	case IsTransient(err) && ctx.Err() == nil:
+		errs = make([]error, len(items))
+		for k, it := range items {
+			errs[k] = r.complete(ctx, it.Claim, it.Result)
+		}
+	case err != nil:
 		errs = make([]error, len(items))
 		for k := range errs {
 			errs[k] = err
+		}
+	default:
+		for k, e := range errs {
+			if IsTransient(e) {
+				errs[k] = r.complete(ctx, items[k].Claim, items[k].Result)
+			}
 		}
 	}
 	if !r.cfg.hooks.Empty() {

@@ -3,6 +3,8 @@ package dedup
 import (
 	"context"
 	"errors"
+	"math/rand/v2"
+	"strconv"
 	"time"
 )
 
@@ -71,6 +73,7 @@ type runnerConfig struct {
 	retention       time.Duration
 	finalizeTimeout time.Duration
 	heartbeat       time.Duration
+	completeTries   int
 	classify        func(error) Disposition
 	hooks           Hooks
 }
@@ -81,6 +84,7 @@ func defaultRunnerConfig() runnerConfig {
 		lease:           30 * time.Second,
 		retention:       24 * time.Hour,
 		finalizeTimeout: 10 * time.Second,
+		completeTries:   5,
 		classify:        func(error) Disposition { return Release },
 	}
 }
@@ -100,6 +104,9 @@ func (c *runnerConfig) validate() error {
 	}
 	if c.classify == nil {
 		return &ArgumentError{Arg: "classifier", Reason: "is nil"}
+	}
+	if c.completeTries < 1 || c.completeTries > 100 {
+		return &ArgumentError{Arg: "complete attempts", Reason: "must be between 1 and 100, got " + strconv.Itoa(c.completeTries)}
 	}
 	return nil
 }
@@ -128,6 +135,19 @@ func WithLease(d time.Duration) RunnerOption {
 // a record that expires earlier lets the duplicate through. Default 24h.
 func WithRetention(d time.Duration) RunnerOption {
 	return runnerOption(func(c *runnerConfig) { c.retention = d })
+}
+
+// WithCompleteAttempts sets how many times a completion is tried when the
+// store refuses it for a passing condition ([IsTransient]: a deadlock or
+// serialization failure, which rolled it back), with a short jittered
+// backoff between tries (5 ms, doubling, at most 200 ms, within the
+// caller's context or the finalize timeout). A batch completion that still
+// fails that way is then completed one claim at a time, each with the same
+// tries: a single-row completion takes one lock and cannot deadlock. Other
+// store errors are not retried (the outcome may be unknown; the lease
+// decides). Default 5.
+func WithCompleteAttempts(n int) RunnerOption {
+	return runnerOption(func(c *runnerConfig) { c.completeTries = n })
 }
 
 // WithClassifier decides what happens to the claim when the handler
@@ -364,7 +384,7 @@ func (r *Runner) finish(ctx context.Context, c Claim, op string, result []byte) 
 	var err error
 	switch op {
 	case "complete":
-		err = r.store.Complete(ctx, c, result, r.cfg.retention)
+		err = r.complete(ctx, c, result)
 	case "release":
 		err = r.store.Release(ctx, c)
 	}
@@ -372,6 +392,37 @@ func (r *Runner) finish(ctx context.Context, c Claim, op string, result []byte) 
 		r.cfg.hooks.Finished(ctx, FinishEvent{Store: r.cfg.name, Key: c.Key, Op: op, Duration: time.Since(start), Err: err})
 	}
 	return err
+}
+
+// complete completes c, trying again while the store refuses for a
+// passing condition (see [WithCompleteAttempts]).
+func (r *Runner) complete(ctx context.Context, c Claim, result []byte) error {
+	var err error
+	for try := range r.cfg.completeTries {
+		if try > 0 && !pause(ctx, try) {
+			break
+		}
+		if err = r.store.Complete(ctx, c, result, r.cfg.retention); !IsTransient(err) {
+			return err
+		}
+	}
+	return err
+}
+
+// pause waits before try number try (1, 2, ...) of a refused completion:
+// 5 ms doubling up to 200 ms, each with up to half again of jitter. It
+// returns false when ctx ends first.
+func pause(ctx context.Context, try int) bool {
+	d := min(5*time.Millisecond<<min(try-1, 6), 200*time.Millisecond)
+	d += time.Duration(rand.Int64N(int64(d/2) + 1))
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // Once runs h for key with a default [Runner] on s (30s lease, 24h

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -222,7 +223,16 @@ func (s *Store) fail(ctx context.Context, op string, err error, known bool) *ded
 	if s.closed.Load() && !errors.Is(err, dedup.ErrClosed) {
 		err = fmt.Errorf("%w: %w", dedup.ErrClosed, err)
 	}
-	return &dedup.StoreError{Store: storeName, Op: op, Err: err, NotApplied: known || notApplied(err)}
+	transient := known && retryable(err)
+	return &dedup.StoreError{Store: storeName, Op: op, Err: err, NotApplied: known || notApplied(err), Transient: transient}
+}
+
+// retryable reports whether err is a server condition between concurrent
+// transactions that rolled the statement back and passes if tried again:
+// SQLSTATE class 40 (serialization_failure, deadlock_detected, ...).
+func retryable(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && strings.HasPrefix(pe.Code, "40")
 }
 
 // failAuto is fail for one statement in autocommit: an error the server
