@@ -15,13 +15,22 @@
 // Every transition is one atomic step in the store (a Lua script, one SQL
 // statement, one locked section). Complete, Release and Extend are fenced by
 // the owner token: an owner whose lease was taken over gets [ErrLeaseLost] and
-// changes nothing. The full state table is in CONTRACT.md and docs/DESIGN.md;
-// the storetest package checks every row of it against every store.
+// changes nothing. The full state table is in the section "The state
+// machine" of docs/DESIGN.md in the repository; the storetest package checks
+// every row of it against every store.
 //
 // Most callers use a [Runner], which claims, runs a handler, and completes or
-// releases, and reports a duplicate as a successful no-op:
+// releases, and reports a duplicate as a successful no-op (ExampleRunner
+// runs this on the memory store):
 //
-//	r := dedup.NewRunner(store, dedup.WithLease(30*time.Second), dedup.WithRetention(24*time.Hour))
+//	r, err := dedup.NewRunner(store, dedup.WithLease(30*time.Second), dedup.WithRetention(24*time.Hour))
+//	if err != nil {
+//		return err // a bad option: nothing ran
+//	}
+//	key, err := dedup.NewKey("payments/charge-consumer", msgID)
+//	if err != nil {
+//		return err // a bad message ID: dead-letter it, do not retry
+//	}
 //	res, err := r.Do(ctx, key, dedup.FingerprintOf(payload), func(ctx context.Context) ([]byte, error) {
 //		return nil, chargeCard(ctx, payload)
 //	})

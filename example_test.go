@@ -57,3 +57,38 @@ func ExampleBusinessKey() {
 	fmt.Println(a.ID, a == b)
 	// Output: bk:invoice/inv-42/capture true
 }
+
+// The snippet of the package documentation, as a function: it compiles
+// with the names the documentation uses.
+func Example_packageDoc() {
+	store, _ := memstore.New()
+	defer store.Close()
+	chargeCard := func(ctx context.Context, payload []byte) error { return nil }
+	handle := func(ctx context.Context, msgID string, payload []byte) (string, error) {
+		r, err := dedup.NewRunner(store, dedup.WithLease(30*time.Second), dedup.WithRetention(24*time.Hour))
+		if err != nil {
+			return "", err // a bad option: nothing ran
+		}
+		key, err := dedup.NewKey("payments/charge-consumer", msgID)
+		if err != nil {
+			return "", err // a bad message ID: dead-letter it, do not retry
+		}
+		res, err := r.Do(ctx, key, dedup.FingerprintOf(payload), func(ctx context.Context) ([]byte, error) {
+			return nil, chargeCard(ctx, payload)
+		})
+		switch {
+		case err == nil && res.Duplicate: // ack silently: it was applied before
+			return "ack duplicate", nil
+		case err == nil: // ack: applied now
+			return "ack", nil
+		default: // nack or retry later: nothing was recorded as done
+			return "nack", err
+		}
+	}
+	for range 2 {
+		fmt.Println(handle(context.Background(), "evt-7", []byte(`{"amount":5}`)))
+	}
+	// Output:
+	// ack <nil>
+	// ack duplicate <nil>
+}
