@@ -3,6 +3,7 @@ package layered
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"hash/maphash"
 	"sync"
 	"sync/atomic"
@@ -56,6 +57,7 @@ type config struct {
 	fastName    string
 	durableName string
 	inboxLease  time.Duration
+	cleanup     time.Duration
 	clock       dedup.Clock
 	hooks       dedup.Hooks
 }
@@ -87,6 +89,16 @@ func WithDurable(s dedup.Store, name string) Option {
 // this long. Default 30s.
 func WithInboxLease(d time.Duration) Option { return option(func(c *config) { c.inboxLease = d }) }
 
+// WithCleanupTimeout bounds the fast-store calls that follow a durable
+// step (completing or releasing the fast claim, writing a durable
+// duplicate back): they run on a context detached from the caller's, which
+// may end between the two steps, so that a cancelled caller never leaves an
+// orphaned fast claim that answers "in progress" for a whole lease.
+// Default 5s.
+func WithCleanupTimeout(d time.Duration) Option {
+	return option(func(c *config) { c.cleanup = d })
+}
+
 // WithClock sets the clock that dates window entries (now + retention). Use
 // the clock of the stores when they take one. Default dedup.SystemClock{}.
 func WithClock(c dedup.Clock) Option { return option(func(cfg *config) { cfg.clock = c }) }
@@ -98,7 +110,7 @@ func WithHooks(hs ...dedup.Hook) Option { return option(func(c *config) { c.hook
 // New returns a layered Store. It does not own its layers: Close leaves
 // them open.
 func New(opts ...Option) (*Store, error) {
-	cfg := config{fastName: "fast", durableName: "durable", inboxLease: 30 * time.Second, clock: dedup.SystemClock{}}
+	cfg := config{fastName: "fast", durableName: "durable", inboxLease: 30 * time.Second, cleanup: 5 * time.Second, clock: dedup.SystemClock{}}
 	for _, o := range opts {
 		o.apply(&cfg)
 	}
@@ -109,6 +121,8 @@ func New(opts ...Option) (*Store, error) {
 		return nil, &dedup.ArgumentError{Arg: "clock", Reason: "is nil"}
 	case cfg.inboxLease <= 0:
 		return nil, &dedup.ArgumentError{Arg: "inbox lease", Reason: "must be positive"}
+	case cfg.cleanup <= 0:
+		return nil, &dedup.ArgumentError{Arg: "cleanup timeout", Reason: "must be positive"}
 	case cfg.fastName == "" || cfg.durableName == "" || cfg.fastName == cfg.durableName:
 		return nil, &dedup.ArgumentError{Arg: "layer names", Reason: "must be non-empty and distinct"}
 	}
@@ -120,7 +134,14 @@ func New(opts ...Option) (*Store, error) {
 }
 
 // Claim implements [dedup.Store]: window, then fast store, then the
-// durable store, which decides.
+// durable store, which decides. Only a duplicate ends the claim before the
+// durable store: a completed record in the window or the fast store was
+// completed in the durable store first. An in-progress lease or a
+// mismatch in the fast store may be stale (its owner already released or
+// completed the durable record and is on its way to the fast store, or
+// crashed in between), so the durable store is asked and its answer is
+// returned; the answer of Claim is therefore always the durable store's
+// (see the package documentation on linearizability).
 func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
 	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
 		return dedup.Claim{}, err
@@ -135,8 +156,12 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		return c, nil
 	}
 	fc, fastOK := s.claimFast(ctx, key, fp, lease)
-	if fastOK && fc.Outcome != dedup.Acquired {
+	switch {
+	case fastOK && fc.Outcome == dedup.Duplicate:
 		return s.fastAnswer(key, fp, fc), nil
+	case fastOK && fc.Outcome != dedup.Acquired:
+		s.stats.fastUnsure.Add(1) // the durable store confirms or overrules it
+		fastOK = false
 	}
 	start := s.started()
 	dc, err := s.cfg.durable.Claim(ctx, key, fp, lease)
@@ -251,7 +276,10 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 		return dedup.ErrLeaseLost
 	}
 	if err := s.cfg.durable.Complete(ctx, c, result, retention); err != nil {
-		return err // the fast claim's lease will expire on its own
+		if errors.Is(err, dedup.ErrLeaseLost) {
+			s.forget(c) // the claim is dead: its fast claim's lease ends on its own
+		}
+		return err // otherwise the claim stays pending: a retried Complete finishes both
 	}
 	// Only the first completion of a claim taken here updates the faster
 	// layers; completing again changes nothing, as in every store.
@@ -259,12 +287,16 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 		if p.fast.Outcome == dedup.Acquired {
 			s.completeFast(ctx, p.fast, result, retention)
 		}
-		s.addWindow(c.Key, p.fp, result, s.cfg.clock.Now().Add(retention))
+		s.addWindow(c.Key, p.fp, result, dedup.Deadline(s.cfg.clock.Now(), retention))
 	}
 	return nil
 }
 
-// Release implements [dedup.Store].
+// Release implements [dedup.Store]. It releases the fast claim first and
+// the durable one second: in between, a new Claim acquires the fast store
+// and is then told "in progress" by the durable store, which is still the
+// truth; the other order would let a new Claim see a stale fast lease after
+// the old owner's fenced calls already fail.
 func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := dedup.ValidateRelease(c); err != nil {
 		return err
@@ -275,13 +307,24 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if s.cfg.durable == nil {
 		return dedup.ErrLeaseLost
 	}
-	if err := s.cfg.durable.Release(ctx, c); err != nil {
-		return err // the claim stays pending: a later Complete may still finish it
+	k := pendingKey{c.Key, c.Token}
+	sh := s.shard(k)
+	sh.mu.Lock()
+	p, found := sh.m[k]
+	if found && p.fast.Outcome == dedup.Acquired {
+		sh.m[k] = pendingClaim{fp: p.fp, deadline: p.deadline} // the fast claim goes now
 	}
-	if p, ok := s.forget(c); ok {
+	sh.mu.Unlock()
+	if found && p.fast.Outcome == dedup.Acquired {
 		s.releaseFast(ctx, p.fast)
 	}
-	return nil
+	err := s.cfg.durable.Release(ctx, c)
+	if err == nil || errors.Is(err, dedup.ErrLeaseLost) {
+		s.forget(c)
+	}
+	// Otherwise the durable claim stays pending: a later Complete may still
+	// finish it (its fast claim is gone; the durable record decides).
+	return err
 }
 
 // Extend implements [dedup.Extender] when the durable store does: it
@@ -356,12 +399,12 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		if fastOK {
 			s.completeFast(ctx, fc, dc.Result, retention)
 		}
-		s.addWindow(key, fp, dc.Result, s.cfg.clock.Now().Add(retention))
+		s.addWindow(key, fp, dc.Result, dedup.Deadline(s.cfg.clock.Now(), retention))
 	case dc.Outcome == dedup.Duplicate:
 		s.stats.durable.Add(1)
 		exp := dc.ExpiresAt
 		if exp.IsZero() {
-			exp = s.cfg.clock.Now().Add(retention)
+			exp = dedup.Deadline(s.cfg.clock.Now(), retention)
 		}
 		s.backfill(ctx, key, fp, fc, fastOK, dc.Result, exp)
 	default:
@@ -372,19 +415,34 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	return dc, nil
 }
 
+// completeFast completes the fast claim after the durable step, on a
+// context detached from ctx (see WithCleanupTimeout).
 func (s *Store) completeFast(ctx context.Context, fc dedup.Claim, result []byte, retention time.Duration) {
-	if err := s.cfg.fast.Complete(ctx, fc, result, retention); err != nil {
+	cctx, cancel := s.cleanupContext(ctx)
+	defer cancel()
+	if err := s.cfg.fast.Complete(cctx, fc, result, retention); err != nil {
 		s.fastFailed(ctx, "complete", fc.Key, err)
 	}
 }
 
+// releaseFast releases the fast claim, on a context detached from ctx:
+// the caller's context may have ended, which is often why it is released.
 func (s *Store) releaseFast(ctx context.Context, fc dedup.Claim) {
 	if fc.Outcome != dedup.Acquired {
 		return
 	}
-	if err := s.cfg.fast.Release(ctx, fc); err != nil {
+	cctx, cancel := s.cleanupContext(ctx)
+	defer cancel()
+	if err := s.cfg.fast.Release(cctx, fc); err != nil {
 		s.fastFailed(ctx, "release", fc.Key, err)
 	}
+}
+
+// cleanupContext returns a context for a fast-store call that finishes a
+// step: detached from ctx (keeping its values) and bounded by the cleanup
+// timeout.
+func (s *Store) cleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), s.cfg.cleanup)
 }
 
 func (s *Store) fastFailed(ctx context.Context, op string, key dedup.Key, err error) {
@@ -438,7 +496,7 @@ func (s *Store) remember(dc, fc dedup.Claim, fp dedup.Fingerprint) {
 			}
 		}
 	}
-	sh.m[k] = pendingClaim{fast: fc, fp: fp, deadline: dc.LeaseUntil.Add(time.Hour)}
+	sh.m[k] = pendingClaim{fast: fc, fp: fp, deadline: dedup.Deadline(dc.LeaseUntil, time.Hour)}
 	sh.mu.Unlock()
 }
 
@@ -470,7 +528,7 @@ func decode(b []byte) (fp, result []byte) {
 }
 
 type counters struct {
-	window, bloom, fast, durable, suspected, fastErrors atomic.Int64
+	window, bloom, fast, durable, suspected, fastErrors, fastUnsure atomic.Int64
 }
 
 // Stats counts the duplicates each layer caught, Bloom "maybe" answers that
@@ -480,10 +538,14 @@ type Stats struct {
 	Window, Bloom, Fast, Durable int64
 	Suspected                    int64
 	FastErrors                   int64
+	// FastUnsure counts fast-store answers of "in progress" or "mismatch"
+	// that Claim passed to the durable store to confirm or overrule.
+	FastUnsure int64
 }
 
 // Stats returns the counts so far.
 func (s *Store) Stats() Stats {
 	return Stats{Window: s.stats.window.Load(), Bloom: s.stats.bloom.Load(), Fast: s.stats.fast.Load(),
-		Durable: s.stats.durable.Load(), Suspected: s.stats.suspected.Load(), FastErrors: s.stats.fastErrors.Load()}
+		Durable: s.stats.durable.Load(), Suspected: s.stats.suspected.Load(), FastErrors: s.stats.fastErrors.Load(),
+		FastUnsure: s.stats.fastUnsure.Load()}
 }
