@@ -414,7 +414,9 @@ func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []er
 			broken = map[string]bool{}
 		}
 		broken[m.Key] = true
-		if errors.Is(results[i], ErrNotSent) {
+		if errors.Is(results[i], ErrNotSent) || ctx.Err() != nil {
+			// Not attempted, or cut short by our own shutdown: no attempt
+			// is counted against the message.
 			retryNow = true
 			continue
 		}

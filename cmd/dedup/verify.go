@@ -233,6 +233,9 @@ func joinModes(ms []verify.Mode) string {
 }
 
 func runVerify(args []string, stdout, stderr io.Writer) int {
+	if wantsOutbox(args) {
+		return runVerifyOutbox(args, stdout, stderr)
+	}
 	f, b, err := parseVerify(args, stdout)
 	if errors.Is(err, flag.ErrHelp) {
 		return exitOK
