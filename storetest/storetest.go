@@ -86,6 +86,9 @@ func NewEnv(t testing.TB, newStore NewStore, f Features, name string) *Env {
 }
 
 func (f Features) has(name string) bool {
+	if a, b, ok := strings.Cut(name, "+"); ok {
+		return f.has(a) && f.has(b)
+	}
 	switch name {
 	case "Extend":
 		return f.Extend
@@ -180,6 +183,10 @@ var Tests = []Test{
 	{Name: "BatchClaim", Needs: "BatchClaim", Fn: testBatchClaim},
 	{Name: "BatchComplete", Needs: "BatchComplete", Fn: testBatchComplete},
 	{Name: "Sweep", Needs: "Sweep", Fn: testSweep},
+	{Name: "ForeverDurations", Fn: testForeverDurations},
+	{Name: "CancelMidCall", Fn: testCancelMidCall},
+	{Name: "Linearizable", Fn: testLinearizable},
+	{Name: "BatchLockOrder", Needs: "BatchClaim+BatchComplete", Fn: testBatchLockOrder},
 }
 
 func testAbsentIsAcquired(t testing.TB, e *Env) {
