@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -258,7 +259,7 @@ func (s *Store) setNX(rk string, tok *dedup.Token, fp dedup.Fingerprint, lease t
 func (s *Store) firstResult(key dedup.Key, tok dedup.Token, fp dedup.Fingerprint, lease time.Duration, res rueidis.RedisResult) (c dedup.Claim, inProgress bool, err error) {
 	v, err := res.ToString()
 	if rueidis.IsRedisNil(err) {
-		return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: tok, Attempt: 1, LeaseUntil: time.Now().Add(lease)}, false, nil
+		return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: tok, Attempt: 1, LeaseUntil: dedup.Deadline(time.Now(), lease)}, false, nil
 	}
 	if err != nil {
 		return dedup.Claim{}, false, s.fail("claim", err)
@@ -299,7 +300,7 @@ func (s *Store) claimResult(key dedup.Key, tok dedup.Token, res rueidis.RedisRes
 	}
 	// The server decided on its own clock; the deadline it reports as time
 	// left is placed on ours, for a Retry-After.
-	until := time.Now().Add(time.Duration(left) * time.Millisecond)
+	until := dedup.Deadline(time.Now(), time.Duration(min(left, math.MaxInt64/int64(time.Millisecond)))*time.Millisecond)
 	c := dedup.Claim{Key: key}
 	switch code {
 	case 1:
@@ -527,7 +528,7 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if err := s.fenced("extend", res); err != nil {
 		return c, err
 	}
-	c.LeaseUntil = start.Add(lease) // the server's lease starts no earlier than this
+	c.LeaseUntil = dedup.Deadline(start, lease) // the server's lease starts no earlier than this
 	return c, nil
 }
 
