@@ -110,7 +110,9 @@ func (c Claim) Err() error {
 }
 
 // Store is the claim contract every engine implements. Every method is one
-// atomic step in the store; the state table is in docs/DESIGN.md.
+// atomic step in the store (a composite store such as layered.Store is
+// linearizable instead: each call takes effect at one instant, its
+// durable store's step); the state table is in docs/DESIGN.md.
 //
 // Errors: invalid arguments give an [*ArgumentError] before any I/O; an
 // unreachable store, a timeout or a cancelled context gives a
