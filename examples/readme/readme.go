@@ -1,0 +1,108 @@
+// Package readme holds the Go snippets of the repository's README.md, each
+// inside a function that declares what the snippet takes for granted (a
+// message, a store, a context), so that `go build ./...` and `go vet
+// ./...` check that they compile. Its test checks that every Go block of
+// README.md appears here verbatim: change a snippet in both places.
+//
+// Nothing here is meant to be called; the runnable versions are the
+// Example functions of each package.
+package readme
+
+import (
+	"context"
+	"database/sql"
+	"net/http"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/dedupnats"
+	"github.com/dedupkit/dedup/deduphttp"
+	"github.com/dedupkit/dedup/pgstore"
+	"github.com/dedupkit/dedup/sqlitestore"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// brokerMessage is the message a snippet's consumer received, with the
+// broker's acknowledgements.
+type brokerMessage struct {
+	ID, OrderID, Account string
+	Amount               int64
+	Body                 []byte
+}
+
+func (*brokerMessage) Ack()                        {}
+func (*brokerMessage) Nack()                       {}
+func (*brokerMessage) NackWithDelay(time.Duration) {}
+
+// inbox is the README's transactional inbox on SQLite.
+func inbox(ctx context.Context, msg *brokerMessage) error {
+	store, err := sqlitestore.Open("app.db") // WAL, synchronous=FULL, schema applied
+	if err != nil {
+		return err
+	}
+	defer store.Close()
+
+	key, err := dedup.NewKey("orders/billing-consumer", msg.ID) // scope is explicit
+	if err != nil {
+		return err // empty, oversized, invalid UTF-8 or control characters: never a silent pass
+	}
+	claim, err := store.RunInbox(ctx, key, dedup.FingerprintOf(msg.Body), 24*time.Hour,
+		func(ctx context.Context, tx *sql.Tx) ([]byte, error) {
+			_, err := tx.ExecContext(ctx, `INSERT INTO invoices(order_id, amount) VALUES (?, ?)`, msg.OrderID, msg.Amount)
+			return nil, err // an error rolls back both the record and the write
+		})
+	switch {
+	case err != nil:
+		msg.Nack() // store down or handler failed: nothing was recorded, redeliver
+	case claim.Outcome == dedup.Duplicate, claim.Outcome == dedup.Acquired:
+		msg.Ack() // applied now, or applied before: either way done
+	default:
+		msg.NackWithDelay(time.Second) // in progress elsewhere, or the ID was reused for another payload
+	}
+	return nil
+}
+
+// apply is the README's inbox in one round trip on PostgreSQL.
+func apply(ctx context.Context, pgStore *pgstore.Store, key dedup.Key, msg *brokerMessage) (dedup.Claim, error) {
+	var w pgx.Batch
+	w.Queue(`INSERT INTO ledger (msg_id, account, amount) VALUES ($1, $2, $3)`, msg.ID, msg.Account, msg.Amount)
+	w.Queue(`UPDATE balances SET amount = amount + $2 WHERE account = $1`, msg.Account, msg.Amount)
+	claim, err := pgStore.Apply(ctx, key, dedup.FingerprintOf(msg.Body), 24*time.Hour, nil, &w)
+	// err == nil and Acquired or Duplicate: ack. A *pgconn.PgError: a write failed, nothing applied.
+	return claim, err
+}
+
+// runner is the README's effect outside the database, through a Runner.
+func runner(ctx context.Context, store dedup.Store, key dedup.Key, msg *brokerMessage,
+	charge func(context.Context, *brokerMessage, string) ([]byte, error)) error {
+	r, err := dedup.NewRunner(store, dedup.WithLease(30*time.Second), dedup.WithRetention(24*time.Hour))
+	if err != nil {
+		return err // a bad option, refused before anything ran
+	}
+	res, err := r.Do(ctx, key, dedup.FingerprintOf(msg.Body), func(ctx context.Context) ([]byte, error) {
+		return charge(ctx, msg, key.String()) // pass the key on as the provider's idempotency key
+	})
+	// err == nil: ack (res.Duplicate tells whether it ran now); err != nil: nack.
+	_ = res
+	return err
+}
+
+// natsConsumer is the README's consumer runtime on NATS JetStream.
+func natsConsumer(ctx context.Context, js jetstream.JetStream, store dedup.Store,
+	charge func(context.Context, *consumer.Message, string) ([]byte, error), lookupCharge consumer.Reconciler) error {
+	dlq, _ := dedupnats.NewDLQ(ctx, js, "DLQ")
+	p, _ := consumer.New("billing", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		return charge(ctx, m, d.Key.String()) // d.Key: the provider's idempotency key
+	}, consumer.WithDeadLetter(dlq), consumer.WithReconciler(lookupCharge))
+	c, _ := dedupnats.NewConsumer(js, "ORDERS", "billing", p)
+	err := c.Run(ctx)
+	return err
+}
+
+// middleware is the README's Idempotency-Key middleware.
+func middleware(store dedup.Store, mux *http.ServeMux, createPayment func(http.ResponseWriter, *http.Request)) {
+	m, _ := deduphttp.New(store, deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")))
+	mux.Handle("POST /payments", m.Required(http.HandlerFunc(createPayment)))
+}
