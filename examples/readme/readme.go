@@ -16,8 +16,8 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
-	"github.com/dedupkit/dedup/dedupnats"
 	"github.com/dedupkit/dedup/deduphttp"
+	"github.com/dedupkit/dedup/dedupnats"
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/dedupkit/dedup/sqlitestore"
 	"github.com/jackc/pgx/v5"
