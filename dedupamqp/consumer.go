@@ -43,8 +43,9 @@ type Consumer struct {
 	done    chan struct{}
 	session *session // the live session, for tests
 
-	gen   atomic.Uint64
-	stats consumerStats
+	gen     atomic.Uint64
+	stats   consumerStats
+	retired sync.WaitGroup // handlers of dead sessions still finishing
 }
 
 // Stats counts what a consumer did since it was made.
@@ -160,6 +161,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}()
 	c.warn(runCtx)
 	err := c.loop(runCtx)
+	c.retired.Wait()
 	if err == nil || runCtx.Err() != nil {
 		err = ctx.Err() // nil after Close
 	}
@@ -386,7 +388,6 @@ func (c *Consumer) serve(ctx context.Context, s *session, msgs <-chan amqp.Deliv
 	// Handlers run on a context that outlives ctx by the drain timeout,
 	// so a stop lets the messages being processed finish and be settled.
 	procCtx, procCancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer procCancel()
 	var workers sync.WaitGroup
 	for range c.cfg.concurrency {
 		workers.Go(func() {
@@ -401,29 +402,40 @@ func (c *Consumer) serve(ctx context.Context, s *session, msgs <-chan amqp.Deliv
 			}
 		})
 	}
+	finished := make(chan struct{})
+	go func() { workers.Wait(); close(finished) }()
+	// end lets the handlers still running finish (up to the drain
+	// timeout), then closes the session.
+	end := func() {
+		t := time.NewTimer(c.cfg.drain)
+		select {
+		case <-finished:
+		case <-t.C:
+			procCancel()
+			<-finished
+		}
+		t.Stop()
+		procCancel()
+		s.dead.Store(true)
+		// Closing the channel returns every unacknowledged delivery to
+		// the queue; Close waits for the broker's close-ok, so the
+		// acknowledgements sent before it have been processed.
+		_ = s.ch.Close()
+		_ = s.pub.Close()
+		_ = s.conn.Close()
+	}
 	select {
 	case <-ctx.Done():
 		// Stop the flow; the library closes msgs when the cancel is done.
 		_ = s.ch.Cancel("dedupamqp-"+strconv.FormatUint(s.gen, 10), false)
+		end()
 	case <-s.closed:
+		// The session is dead: its handlers' decisions will be dropped
+		// (their messages are back in the queue), so a new session need
+		// not wait for them. They finish in the background; Run waits
+		// for them before it returns.
+		c.retired.Go(end)
 	}
-	finished := make(chan struct{})
-	go func() { workers.Wait(); close(finished) }()
-	t := time.NewTimer(c.cfg.drain)
-	select {
-	case <-finished:
-	case <-t.C:
-		procCancel()
-		<-finished
-	}
-	t.Stop()
-	s.dead.Store(true)
-	// Closing the channel returns every unacknowledged delivery to the
-	// queue; Close waits for the broker's close-ok, so the
-	// acknowledgements sent before it have been processed.
-	_ = s.ch.Close()
-	_ = s.pub.Close()
-	_ = s.conn.Close()
 }
 
 // handle processes one delivery and settles it.
@@ -441,7 +453,7 @@ func (c *Consumer) handle(ctx context.Context, s *session, d *amqp.Delivery) {
 
 // settle sends dec for d on d's own session, unless that session is gone.
 func (c *Consumer) settle(ctx context.Context, s *session, d *amqp.Delivery, m *consumer.Message, dec consumer.Decision) {
-	if s.dead.Load() {
+	if s.dead.Load() || s.ch.IsClosed() {
 		// The channel d came on is closed: the broker has returned d to
 		// the queue already. Its tag means nothing anywhere else.
 		c.stats.stale.Add(1)
