@@ -69,7 +69,9 @@ func TestPublisherResendsLostConfirmUnderSameID(t *testing.T) {
 		t.Fatalf("cut %v after %d dials: the confirm was not lost as planned", cut.Load(), dials.Load())
 	}
 	r.run(c)
-	waitFor(t, "applied and the queue drained", func() bool { return r.applied() == 1 && queueDepth(t, r) == 0 && c.Stats().Acked == c.Stats().Delivered })
+	waitFor(t, "applied and the queue drained", func() bool {
+		return r.applied() == 1 && queueDepth(t, r) == 0 && c.Stats().Acked == c.Stats().Delivered
+	})
 	r.checkOnce([]string{"c-1"})
 	st := c.Stats()
 	// The first copy reached the broker before the cut (almost always):
