@@ -28,6 +28,8 @@ type verifyFlags struct {
 	keep    bool
 	broker  string
 	natsURL string
+	amqpURL string
+	drops   int
 	timeout time.Duration
 	json    bool
 	quiet   bool
@@ -66,6 +68,12 @@ Brokers:
              published with Nats-Msg-Id, consumed by a durable pull consumer,
              acked only after the commit; a crash acks nothing and JetStream
              redelivers after its AckWait; failures are NakWithDelay.
+  rabbitmq   a real RabbitMQ server (--amqp-url): messages are published in
+             confirm mode with message_id (copies under the same ID),
+             consumed on one channel per consumer with prefetch 1, acked
+             after the commit; a crash closes the channel and the broker
+             requeues; the TCP connection is cut every --drop-every
+             deliveries, killing every channel at once.
 
 Exit status: 0 when every message was applied exactly once, 1 on any
 violation (lost, applied twice, timeout) or failure, 2 on bad usage.
@@ -82,7 +90,9 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	fs.StringVar(&f.mode, "mode", "", "inbox, apply (postgres) or lease (default: inbox for sqlite and postgres, lease for memory and redis)")
 	fs.StringVar(&f.path, "path", "", "SQLite database `file` to use and keep (default: a temporary file, removed at exit)")
 	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store: host:port, comma-separated for a Redis cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379), or a PostgreSQL connection string (default: $DEDUP_POSTGRES_URL or postgres://postgres@127.0.0.1:5432/test?sslmode=disable)")
-	fs.StringVar(&f.broker, "broker", "simulated", "broker to run the pipeline over: simulated (in process) or nats (a real JetStream server)")
+	fs.StringVar(&f.broker, "broker", "simulated", "broker to run the pipeline over: simulated (in process), nats (a real JetStream server) or rabbitmq (a real RabbitMQ server)")
+	fs.StringVar(&f.amqpURL, "amqp-url", "", "for --broker rabbitmq: the server `URL` (default: $DEDUP_AMQP_URL or amqp://guest:guest@127.0.0.1:5672/)")
+	fs.IntVar(&f.drops, "drop-every", 2000, "for --broker rabbitmq: cut the consumers' connection every `N` deliveries (0: never)")
 	fs.StringVar(&f.natsURL, "nats-url", "", "for --broker nats: the server `URL` (default: $DEDUP_NATS_URL or nats://127.0.0.1:4222)")
 	fs.IntVar(&f.flush, "flush-every", 0, "for --store layered: flush Redis and empty the window every `N` deliveries (0: never)")
 	fs.BoolVar(&f.keep, "keep", false, "keep the temporary database (SQLite file, or the run's PostgreSQL schema with its dedup and ledger tables) and print where it is")
@@ -177,6 +187,19 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 		if f.natsURL != "" {
 			return f, b, badUsage("--nats-url applies only to --broker nats")
 		}
+	case "rabbitmq":
+		if f.natsURL != "" {
+			return f, b, badUsage("--nats-url applies only to --broker nats")
+		}
+		if f.drops < 0 {
+			return f, b, badUsage("--drop-every must be 0 (never) or a count of deliveries, got %d", f.drops)
+		}
+		if f.amqpURL == "" {
+			f.amqpURL = os.Getenv("DEDUP_AMQP_URL")
+		}
+		if f.amqpURL == "" {
+			f.amqpURL = "amqp://guest:guest@127.0.0.1:5672/"
+		}
 	case "nats":
 		if f.natsURL == "" {
 			f.natsURL = os.Getenv("DEDUP_NATS_URL")
@@ -185,7 +208,7 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 			f.natsURL = "nats://127.0.0.1:4222"
 		}
 	default:
-		return f, b, badUsage("--broker must be simulated or nats, got %q", f.broker)
+		return f, b, badUsage("--broker must be simulated, nats or rabbitmq, got %q", f.broker)
 	}
 	if err := f.cfg.Validate(); err != nil {
 		return f, b, badUsage("%v", err)
@@ -276,6 +299,8 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 	var runErr error
 	if f.broker == "nats" {
 		rep, runErr = verify.RunNATS(ctx, f.cfg, t, verify.NATSOptions{URL: f.natsURL, Keep: f.keep})
+	} else if f.broker == "rabbitmq" {
+		rep, runErr = verify.RunAMQP(ctx, f.cfg, t, verify.AMQPOptions{URL: f.amqpURL, Keep: f.keep, DropEvery: f.drops})
 	} else {
 		rep, runErr = verify.Run(ctx, f.cfg, t)
 	}
@@ -346,7 +371,9 @@ func writeSummary(w io.Writer, r *verify.Report) {
 		fmt.Fprintf(w, "  %-22s %s\n", label, fmt.Sprintf(format, args...))
 	}
 	fmt.Fprintf(w, "dedup verify: %s store, %s mode, %s broker\n", r.Store, r.Mode, r.Broker)
-	if r.Stream != "" {
+	if r.Broker == "rabbitmq" {
+		fmt.Fprintf(w, "  (RabbitMQ queue %s; the extra copies are producer retries under the same message_id; %d connection drops)\n", r.Stream, r.ConnectionDrops)
+	} else if r.Stream != "" {
 		fmt.Fprintf(w, "  (JetStream stream %s; the extra copies are producer retries outside the broker's duplicate window)\n", r.Stream)
 	}
 	switch r.Mode {

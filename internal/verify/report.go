@@ -10,8 +10,9 @@ import (
 type Report struct {
 	// What ran.
 	Store string `json:"store"`
-	// Broker is "simulated" (in process) or "nats" (a real JetStream
-	// server), and Stream the run's JetStream stream.
+	// Broker is "simulated" (in process), "nats" (a real JetStream
+	// server) or "rabbitmq", and Stream the run's JetStream stream or
+	// RabbitMQ queue.
 	Broker    string  `json:"broker"`
 	Stream    string  `json:"stream,omitempty"`
 	Mode      Mode    `json:"mode"`
@@ -44,6 +45,9 @@ type Report struct {
 	// fast-store flushes injected; empty for other targets.
 	Layers  map[string]int64 `json:"layers,omitempty"`
 	Flushes int              `json:"flushes,omitempty"`
+	// ConnectionDrops counts the broker connections cut mid-run
+	// (RunAMQP's DropEvery).
+	ConnectionDrops int `json:"connection_drops,omitempty"`
 	// SlowestDeliveryMS is the longest a consumer spent on one delivery,
 	// in milliseconds. In lease mode a delivery slower than the lease can
 	// be taken over while it works.
