@@ -119,7 +119,7 @@ func newProxyFlagSet(f *proxyFlags) *flag.FlagSet {
 	fs.StringVar(&f.addr, "addr", "", "server `address` for --store redis (host:port, comma-separated for a cluster; default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379) or --store postgres (a connection string; default: $DEDUP_POSTGRES_URL or "+defaultPostgresURL+"; run 'dedup migrate' first)")
 	fs.StringVar(&f.tenantHeader, "tenant-header", "", "request `header` naming the tenant that scopes keys (e.g. X-Tenant); required unless --single-tenant")
 	fs.BoolVar(&f.singleTenant, "single-tenant", false, "run without --tenant-header: every caller shares one key space, so any caller who sends a key gets the response stored under it")
-	fs.StringVar(&f.principalHeader, "principal-header", "", "request `header` whose SHA-256 is mixed into the key scope (e.g. Authorization), so only the same credential replays a response; a keyed request without it gets 401")
+	fs.StringVar(&f.principalHeader, "principal-header", "", "request `header` whose SHA-256 is mixed into the key scope (e.g. Authorization), so only the same credential replays a response; a keyed request without it gets 400")
 	fs.BoolVar(&f.requireKey, "require-key", false, "answer 400 to a POST, PUT, PATCH or DELETE without an Idempotency-Key (default: forward it without deduplication)")
 	fs.StringVar(&f.noStoreStatus, "no-store-status", "401,403,408,409,423,425,429", "comma-separated 4xx `statuses` not stored (the key is released for a retry); 'none' stores every 4xx")
 	fs.BoolVar(&f.storeErrors, "store-errors", false, "store upstream 5xx answers and the 504 of an unknown outcome as the final answer, as Stripe stores 500s (default: 5xx releases the key, an unknown outcome holds it until --lease ends)")
