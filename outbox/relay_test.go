@@ -18,12 +18,12 @@ import (
 
 // rig is an outbox in a fresh PostgreSQL schema.
 type rig struct {
-	t   *testing.T
+	t   testing.TB
 	s   *pgstore.Store
 	src *pgstore.OutboxSource
 }
 
-func newRig(t *testing.T, opts ...pgstore.OutboxOption) *rig {
+func newRig(t testing.TB, opts ...pgstore.OutboxOption) *rig {
 	t.Helper()
 	pool := testenv.PostgresPool(t)
 	s, err := pgstore.New(pool, pgstore.WithSchema(testenv.PostgresSchema(t, pool)))
@@ -317,6 +317,9 @@ func TestRelaysSplitAndTakeOver(t *testing.T) {
 			t.Parallel()
 			const parts = 8
 			r := newRig(t, pgstore.WithOutboxPartitions(parts))
+			if err := r.src.CreateIndex(context.Background()); err != nil {
+				t.Fatal(err)
+			}
 			pub := newFakePub()
 			boom := errors.New("killed")
 			var kill sync.Once

@@ -239,7 +239,17 @@ func openOutboxSource(ctx context.Context, f *relayFlags) (outbox.Source, func()
 		s.Close()
 		return nil, nil, err
 	}
-	return src, func() { s.Close() }, nil
+	// The partition index, built in the background: a long transaction
+	// delays the build, never the relay.
+	ictx, cancel := context.WithCancel(ctx)
+	built := make(chan struct{})
+	go func() {
+		defer close(built)
+		if err := src.CreateIndex(ictx); err != nil && ictx.Err() == nil {
+			fmt.Fprintf(os.Stderr, "dedup relay: the partition index could not be built (the relay works without it, slower): %v\n", err)
+		}
+	}()
+	return src, func() { cancel(); <-built; s.Close() }, nil
 }
 
 // nopSource and nopPublisher let check validate the relay options
