@@ -34,6 +34,7 @@ type config struct {
 	table       string
 	synchronous string
 	busyTimeout time.Duration
+	sweepEvery  time.Duration
 }
 
 func defaultConfig() config {
@@ -57,6 +58,9 @@ func (c *config) validate() error {
 		c.synchronous = strings.ToUpper(c.synchronous)
 	default:
 		return &dedup.ArgumentError{Arg: "synchronous mode", Reason: "must be FULL or NORMAL, got " + quote(c.synchronous)}
+	}
+	if c.sweepEvery < 0 {
+		return &dedup.ArgumentError{Arg: "sweep interval", Reason: "must not be negative, got " + c.sweepEvery.String()}
 	}
 	if c.busyTimeout <= 0 {
 		return &dedup.ArgumentError{Arg: "busy timeout", Reason: "must be positive, got " + c.busyTimeout.String()}
@@ -130,4 +134,12 @@ func WithSynchronous(mode string) Option {
 // Default 10s.
 func WithBusyTimeout(d time.Duration) Option {
 	return optionFunc(func(cfg *config) { cfg.busyTimeout = d })
+}
+
+// WithSweepInterval makes the store delete expired records in the
+// background every d, in batches of [SweepBatch] (see [Store.SweepExpired]),
+// until Close. Default 0: no background sweeping (call [Store.Sweep] or
+// run `dedup sweep --store sqlite`).
+func WithSweepInterval(d time.Duration) Option {
+	return optionFunc(func(c *config) { c.sweepEvery = d })
 }

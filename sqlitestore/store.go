@@ -49,6 +49,7 @@ type Store struct {
 	// write lock; see enter.
 	writers     chan struct{}
 	busyTimeout time.Duration
+	sweeper     *sweeper // with WithSweepInterval; see sweep.go
 
 	claimStmt     *sql.Stmt
 	completeStmt  *sql.Stmt
@@ -106,6 +107,7 @@ func Open(path string, opts ...Option) (*Store, error) {
 		db.Close()
 		return nil, openError(err)
 	}
+	s.startSweeper(cfg.sweepEvery)
 	return s, nil
 }
 
@@ -288,6 +290,7 @@ func (s *Store) Close() error {
 	if !s.closed.CompareAndSwap(false, true) {
 		return nil
 	}
+	s.stopSweeper()
 	s.closeStmts()
 	if err := s.db.Close(); err != nil {
 		return &dedup.StoreError{Store: storeName, Op: "close", Err: err}
