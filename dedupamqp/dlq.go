@@ -89,6 +89,30 @@ func NewDLQ(ctx context.Context, url, name, scope string) (*DLQ, error) {
 	return q, nil
 }
 
+// OpenDLQ opens the dead-letter queue name, which must exist (written by
+// a [DLQ] made with [NewDLQ]); it declares nothing. It is what the `dedup
+// dlq` command uses, so that a mistyped name is an error rather than a new
+// empty queue.
+func OpenDLQ(ctx context.Context, url, name, scope string) (*DLQ, error) {
+	if !validName(name, false) {
+		return nil, bad("dead-letter queue", strconv.Quote(name)+" is not a queue name")
+	}
+	pub, err := NewPublisher(url, WithExchange(name))
+	if err != nil {
+		return nil, err
+	}
+	q := &DLQ{name: name, scope: scope, pub: pub, url: url}
+	err = q.with(ctx, func(ch *amqp.Channel) error {
+		_, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+		return err
+	})
+	if err != nil {
+		pub.Close()
+		return nil, fmt.Errorf("dedupamqp: no dead-letter queue %s: %w", name, err)
+	}
+	return q, nil
+}
+
 // Exchange returns the dead-letter exchange, for [WithDeadLetterExchange].
 func (q *DLQ) Exchange() string { return q.name }
 

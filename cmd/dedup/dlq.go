@@ -23,7 +23,9 @@ const dlqAbout = `Usage: dedup dlq <list|inspect|replay> [flags] [id]
 Works on a dead-letter stream written by package dedupnats: the messages
 a consumer gave up on (poison, out of attempts, an invalid key), each kept
 whole with its message and business IDs, failure class, reason, attempts
-and first and last failure times.
+and first and last failure times. With --broker rabbitmq it works on a
+dead-letter queue written by package dedupamqp instead ('dedup dlq list
+--broker rabbitmq -h' for its flags).
 
   list     one line per record (no payloads)
   inspect  one record by ID; --payload also prints the payload
@@ -103,6 +105,14 @@ func runDLQ(args []string, stdout, stderr io.Writer) int {
 	default:
 		fmt.Fprintf(stderr, "dedup dlq: unknown subcommand %q: use list, inspect or replay\n", sub)
 		return exitUsage
+	}
+	if rest, broker, err := splitBroker(args[1:]); err != nil {
+		fmt.Fprintf(stderr, "dedup dlq %s: %v\n", sub, err)
+		return exitUsage
+	} else if broker == "rabbitmq" {
+		return runDLQAMQP(sub, rest, stdout, stderr)
+	} else {
+		args = append(args[:1:1], rest...)
 	}
 	var f dlqFlags
 	fs := newDLQFlagSet(sub, &f)
