@@ -1,0 +1,367 @@
+package dedupamqp
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/memstore"
+	"github.com/dedupkit/dedup/redisstore"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/rueidis"
+)
+
+var quiet = slog.New(slog.DiscardHandler)
+
+// BenchmarkConsume measures messages per second out of a classic queue:
+// b.N messages, each with its own message_id, are published first (not
+// timed); the timer covers consuming and acknowledging them all. cN runs
+// N workers with prefetch max(64, 2N); every case of one cN uses the same
+// prefetch and concurrency:
+//
+//   - bare: a plain amqp091-go consumer, manual acks, N goroutines on the
+//     deliveries channel, no envelope, no dedup: the baseline.
+//   - memstore, redis: a Consumer with a processor on that store (claim,
+//     no-op handler, complete, ack).
+//   - redis-floor1: the bare consumer plus one plain SET NX PX of the
+//     message ID per message before the ack (the unsafe "SET NX then
+//     process" shape: the least any Redis dedup writes).
+//   - redis-floor2: floor1 plus a second plain SET after the handler: the
+//     two writes every crash-safe design makes (claim, completion),
+//     unfenced.
+//
+// x_bare is a case's rate over bare's in the same run, x_floor2 (redis)
+// over redis-floor2's. Cases run in the order listed, each in the same
+// process; use -count to rotate them.
+//
+//	go test -run '^$' -bench BenchmarkConsume -benchtime 20000x -count 3 ./dedupamqp/
+func BenchmarkConsume(b *testing.B) {
+	for _, conc := range []int{1, 32} {
+		b.Run(fmt.Sprintf("c%d", conc), func(b *testing.B) { benchConsume(b, max(64, 2*conc), conc) })
+	}
+}
+
+func benchConsume(b *testing.B, prefetch, conc int) {
+	url := testenv.AMQPURL(b)
+	var bareRate, floor2Rate float64
+	report := func(b *testing.B, elapsed time.Duration) float64 {
+		rate := float64(b.N) / elapsed.Seconds()
+		b.ReportMetric(rate, "msgs/s")
+		if bareRate > 0 {
+			b.ReportMetric(rate/bareRate, "x_bare")
+		}
+		return rate
+	}
+	redisClient := func(b *testing.B) rueidis.Client {
+		addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+		c, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: addrs})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(c.Close)
+		return c
+	}
+	floor := func(writes int) func(b *testing.B) {
+		return func(b *testing.B) {
+			rc := redisClient(b)
+			prefix := unique("bench") + ":"
+			q := benchQueue(b, url)
+			elapsed := bareConsume(b, url, q, prefetch, conc, func(ctx context.Context, d *amqp.Delivery) {
+				key := prefix + d.MessageId
+				_ = rc.Do(ctx, rc.B().Set().Key(key).Value("1").Nx().Px(time.Minute).Build()).Error()
+				if writes > 1 {
+					_ = rc.Do(ctx, rc.B().Set().Key(key).Value("done").Px(time.Minute).Build()).Error()
+				}
+			})
+			r := report(b, elapsed)
+			if writes == 2 {
+				floor2Rate = r
+			}
+		}
+	}
+
+	b.Run("bare", func(b *testing.B) {
+		q := benchQueue(b, url)
+		elapsed := bareConsume(b, url, q, prefetch, conc, nil)
+		bareRate = 0
+		bareRate = report(b, elapsed)
+	})
+	b.Run("memstore", func(b *testing.B) {
+		s, err := memstore.New()
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { s.Close() })
+		report(b, adapterConsume(b, url, s, prefetch, conc))
+	})
+	b.Run("redis-floor1", floor(1))
+	b.Run("redis-floor2", floor(2))
+	b.Run("redis", func(b *testing.B) {
+		addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+		s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(unique("bench")+":"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { s.Close() })
+		elapsed := adapterConsume(b, url, s, prefetch, conc)
+		rate := report(b, elapsed)
+		if floor2Rate > 0 {
+			b.ReportMetric(rate/floor2Rate, "x_floor2")
+		}
+	})
+}
+
+// benchQueue declares a queue of b.N messages and deletes it at the end.
+func benchQueue(b *testing.B, url string) string {
+	b.Helper()
+	q := unique("dedupamqp-bench")
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(q, true, false, false, false, amqp.Table{amqp.QueueTypeArg: Classic}); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		if c, err := amqp.Dial(url); err == nil {
+			if ch, err := c.Channel(); err == nil {
+				_, _ = ch.QueueDelete(q, false, false, false)
+				for _, d := range []time.Duration{250 * time.Millisecond, time.Second, 5 * time.Second, 30 * time.Second} {
+					_, _ = ch.QueueDelete(q+".retry."+d.String(), false, false, false)
+				}
+			}
+			c.Close()
+		}
+	})
+	if err := ch.Confirm(false); err != nil {
+		b.Fatal(err)
+	}
+	var pending []*amqp.DeferredConfirmation
+	for i := range b.N {
+		dc, err := ch.PublishWithDeferredConfirm("", q, false, false, amqp.Publishing{
+			MessageId: "m-" + strconv.Itoa(i), DeliveryMode: amqp.Persistent, Body: []byte(`{"amount_cents":4200}`),
+		})
+		if err != nil {
+			b.Fatal(err)
+		}
+		pending = append(pending, dc)
+		if len(pending) == 1000 || i == b.N-1 {
+			for _, dc := range pending {
+				if !dc.Wait() {
+					b.Fatal("publish nacked")
+				}
+			}
+			pending = pending[:0]
+		}
+	}
+	return q
+}
+
+// bareConsume consumes b.N messages of q with a plain amqp091-go consumer,
+// running work (if any) before each ack, and returns the time taken.
+func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(context.Context, *amqp.Delivery)) time.Duration {
+	b.Helper()
+	conn, err := amqp.Dial(url)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := ch.Qos(prefetch, 0, false); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	msgs, err := ch.Consume(q, "", false, false, false, false, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var done atomic.Int64
+	all := make(chan struct{})
+	var once sync.Once
+	var wg sync.WaitGroup
+	ctx := context.Background()
+	for range conc {
+		wg.Go(func() {
+			for d := range msgs {
+				if work != nil {
+					work(ctx, &d)
+				}
+				if d.Ack(false) == nil && done.Add(1) == int64(b.N) {
+					once.Do(func() { close(all) })
+				}
+			}
+		})
+	}
+	<-all
+	elapsed := time.Since(start)
+	b.StopTimer()
+	ch.Close()
+	wg.Wait()
+	return elapsed
+}
+
+// adapterConsume consumes b.N messages through a Consumer with a
+// processor on s and returns the time taken.
+func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int) time.Duration {
+	b.Helper()
+	q := benchQueue(b, url)
+	var done atomic.Int64
+	all := make(chan struct{})
+	var once sync.Once
+	p, err := consumer.New("bench", s, func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) { return nil, nil },
+		consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(10*time.Minute),
+		consumer.WithObserver(func(_ *consumer.Message, d consumer.Decision) {
+			if d.Action == consumer.Ack && done.Add(1) == int64(b.N) {
+				once.Do(func() { close(all) })
+			}
+		}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	c, err := NewConsumer(url, q, p, WithPrefetch(prefetch), WithConcurrency(conc), WithLogger(quiet), WithoutDeclare())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	start := time.Now()
+	errc := make(chan error, 1)
+	go func() { errc <- c.Run(context.Background()) }()
+	<-all
+	elapsed := time.Since(start)
+	b.StopTimer()
+	c.Close()
+	if err := <-errc; err != nil {
+		b.Fatal(err)
+	}
+	if st := c.Stats(); st.Acked < uint64(b.N) {
+		b.Fatalf("acked %d of %d", st.Acked, b.N)
+	}
+	return elapsed
+}
+
+// BenchmarkPublish measures confirmed publishes per second, one at a
+// time per goroutine (pN: N goroutines, one connection):
+//
+//   - bare: amqp091-go PublishWithDeferredConfirm then Wait, on one
+//     confirm-mode channel shared under a mutex for the publish.
+//
+//   - publisher: Publisher.Publish (mandatory, persistent, message_id,
+//     the return check, the retry loop).
+//
+//     go test -run '^$' -bench BenchmarkPublish -benchtime 5000x -count 3 ./dedupamqp/
+func BenchmarkPublish(b *testing.B) {
+	for _, par := range []int{1, 16} {
+		b.Run(fmt.Sprintf("p%d", par), func(b *testing.B) { benchPublish(b, par) })
+	}
+}
+
+func benchPublish(b *testing.B, par int) {
+	url := testenv.AMQPURL(b)
+	var bareRate float64
+	run := func(b *testing.B, one func(i int) error) float64 {
+		var next atomic.Int64
+		var wg sync.WaitGroup
+		b.ResetTimer()
+		start := time.Now()
+		for range par {
+			wg.Go(func() {
+				for {
+					i := next.Add(1) - 1
+					if i >= int64(b.N) {
+						return
+					}
+					if err := one(int(i)); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		elapsed := time.Since(start)
+		b.StopTimer()
+		rate := float64(b.N) / elapsed.Seconds()
+		b.ReportMetric(rate, "msgs/s")
+		if bareRate > 0 {
+			b.ReportMetric(rate/bareRate, "x_bare")
+		}
+		return rate
+	}
+	declare := func(b *testing.B) string {
+		q := unique("dedupamqp-bench-pub")
+		conn, err := amqp.Dial(url)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer conn.Close()
+		ch, _ := conn.Channel()
+		if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() {
+			if c, err := amqp.Dial(url); err == nil {
+				if ch, err := c.Channel(); err == nil {
+					_, _ = ch.QueueDelete(q, false, false, false)
+				}
+				c.Close()
+			}
+		})
+		return q
+	}
+	body := []byte(`{"amount_cents":4200}`)
+	b.Run("bare", func(b *testing.B) {
+		q := declare(b)
+		conn, err := amqp.Dial(url)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer conn.Close()
+		ch, _ := conn.Channel()
+		if err := ch.Confirm(false); err != nil {
+			b.Fatal(err)
+		}
+		var mu sync.Mutex
+		bareRate = 0
+		bareRate = run(b, func(i int) error {
+			mu.Lock()
+			dc, err := ch.PublishWithDeferredConfirm("", q, false, false, amqp.Publishing{MessageId: "m-" + strconv.Itoa(i), DeliveryMode: amqp.Persistent, Body: body})
+			mu.Unlock()
+			if err != nil {
+				return err
+			}
+			if !dc.Wait() {
+				return fmt.Errorf("nacked")
+			}
+			return nil
+		})
+	})
+	b.Run("publisher", func(b *testing.B) {
+		q := declare(b)
+		pub, err := NewPublisher(url)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pub.Close()
+		ctx := context.Background()
+		run(b, func(i int) error {
+			return pub.Publish(ctx, q, &consumer.Message{ID: "m-" + strconv.Itoa(i), Payload: body})
+		})
+	})
+}
