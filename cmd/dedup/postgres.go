@@ -265,6 +265,13 @@ type sweepReport struct {
 }
 
 func runSweep(args []string, stdout, stderr io.Writer) int {
+	kind, args := sweepStoreKind(args)
+	if kind == "sqlite" {
+		return runSweepSQLite(args, stdout, stderr)
+	} else if kind != "postgres" {
+		fmt.Fprintf(stderr, "dedup sweep: --store must be postgres or sqlite, got %q\n", kind)
+		return exitUsage
+	}
 	var f pgFlags
 	var batch, maxBatches int
 	var untilEmpty bool

@@ -9,12 +9,16 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/sqlitestore"
 )
 
 // gatedUpstream is an upstream whose calls do their work (count a run)
@@ -402,4 +406,39 @@ func TestProxyAdminLogAndEnv(t *testing.T) {
 func keyHashForTest(k string) string {
 	sum := sha256.Sum256([]byte(k))
 	return hex.EncodeToString(sum[:8])
+}
+
+// TestSweepSQLite: `dedup sweep --store sqlite` deletes the expired rows a
+// proxy left behind and keeps the live ones.
+func TestSweepSQLite(t *testing.T) {
+	db := filepath.Join(t.TempDir(), "keys.db")
+	s, err := sqlitestore.Open(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for i, ret := range []time.Duration{time.Millisecond, time.Millisecond, time.Millisecond, time.Hour} {
+		c, err := s.Claim(ctx, dedup.Key{Scope: "s", ID: strconv.Itoa(i)}, "", time.Minute)
+		if err == nil {
+			err = s.Complete(ctx, c, nil, ret)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.Close()
+	time.Sleep(5 * time.Millisecond) // let the 1 ms retentions end (the CLI reads the system clock)
+	code, stdout, stderr := runArgs(t, "sweep", "--store", "sqlite", "--path", db, "--json", "--batch", "2")
+	if code != exitOK || !strings.Contains(stdout, `"deleted":3`) {
+		t.Fatalf("sweep: exit %d, %q %q", code, stdout, stderr)
+	}
+	if code, _, stderr := runArgs(t, "sweep", "--store", "sqlite"); code != exitUsage || !strings.Contains(stderr, "--path") {
+		t.Errorf("no path: exit %d %q", code, stderr)
+	}
+	if code, _, stderr := runArgs(t, "sweep", "--store", "sqlite", "--path", db+".missing"); code != exitFail {
+		t.Errorf("missing file: exit %d %q", code, stderr)
+	}
+	if code, _, _ := runArgs(t, "sweep", "--store", "mongo"); code != exitUsage {
+		t.Errorf("--store mongo: exit %d", code)
+	}
 }
