@@ -132,18 +132,41 @@ func send(t *testing.T, method, url, key, body string, hdr ...string) reply {
 	return reply{resp.StatusCode, resp.Header, string(b)}
 }
 
+// TestProxyConcurrentOneKey: 200 identical requests at once run the
+// upstream exactly once, on each of the four stores.
 func TestProxyConcurrentOneKey(t *testing.T) {
+	for _, store := range proxyStores {
+		t.Run(store, func(t *testing.T) {
+			args := []string{"--store", store}
+			switch store {
+			case "sqlite":
+				args = append(args, "--path", filepath.Join(t.TempDir(), "keys.db"))
+			case "redis":
+				testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+			case "postgres":
+				testenv.PostgresURL(t)
+				var out, errOut syncBuffer
+				if code := run([]string{"migrate"}, &out, &errOut); code != 0 {
+					t.Fatalf("dedup migrate: exit %d: %s", code, errOut.String())
+				}
+			}
+			testProxyConcurrentOneKey(t, fmt.Sprintf("charge-%s-%d", store, time.Now().UnixNano()), args...)
+		})
+	}
+}
+
+func testProxyConcurrentOneKey(t *testing.T, key string, storeArgs ...string) {
 	up := newUpstream(t)
 	up.delay.Store(int64(50 * time.Millisecond))
-	base, _ := startProxy(t, "--upstream", up.srv.URL, "--require-key", "--single-tenant")
-	const n = 50
+	base, _ := startProxy(t, append([]string{"--upstream", up.srv.URL, "--require-key", "--single-tenant"}, storeArgs...)...)
+	const n = 200
 	replies := make([]reply, n)
 	var wg sync.WaitGroup
 	start := make(chan struct{})
 	for i := range n {
 		wg.Go(func() {
 			<-start
-			replies[i] = send(t, "POST", base+"/charges", `"charge-1"`, `{"amount":100}`)
+			replies[i] = send(t, "POST", base+"/charges", `"`+key+`"`, `{"amount":100}`)
 		})
 	}
 	close(start)
@@ -171,11 +194,11 @@ func TestProxyConcurrentOneKey(t *testing.T) {
 	if first == "" {
 		t.Fatal("no client got the upstream's response")
 	}
-	r := send(t, "POST", base+"/charges", `"charge-1"`, `{"amount":100}`)
+	r := send(t, "POST", base+"/charges", `"`+key+`"`, `{"amount":100}`)
 	if r.status != 201 || r.body != first || r.header.Get("Idempotent-Replayed") != "true" || r.header.Get("Idempotency-Key-Expires") == "" {
 		t.Errorf("replay: %d %v %q", r.status, r.header, r.body)
 	}
-	if r := send(t, "POST", base+"/charges", `"charge-1"`, `{"amount":999}`); r.status != 422 {
+	if r := send(t, "POST", base+"/charges", `"`+key+`"`, `{"amount":999}`); r.status != 422 {
 		t.Errorf("payload mismatch: %d, want 422", r.status)
 	}
 	if up.runs.Load() != 1 {
