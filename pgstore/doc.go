@@ -97,9 +97,10 @@
 // with the same key waits on the primary key until the first ends, then
 // sees a duplicate, or applies if the first rolled back. The conflict is
 // resolved by ON CONFLICT, never by a unique violation, so it does not
-// abort the caller's transaction (CAMEL-24048). [Store.EnqueueOutbox]
-// writes outgoing messages to the outbox table in the same transaction,
-// for a relay to publish. The inbox costs the business transaction one
+// abort the caller's transaction (CAMEL-24048). [Store.WriteOutbox]
+// (also [Store.WriteOutboxSQL], and [Store.QueueOutbox] for Apply) writes
+// outgoing messages to the outbox table in the same transaction, for the
+// relay of package outbox to publish ([Store.OutboxSource]). The inbox costs the business transaction one
 // more statement and one more indexed row; RunInbox sends that statement
 // in one round trip with the BEGIN, and the handler's result with the
 // COMMIT, so it adds no round trip. Measured here (BenchmarkInbox, cases
