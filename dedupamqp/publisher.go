@@ -319,10 +319,16 @@ func (p *Publisher) Republish(ctx context.Context, m *consumer.Message) error {
 
 // Outbox returns the publisher as an outbox relay's [outbox.Publisher]:
 // each message goes to the publisher's exchange with its Topic as routing
-// key and its ID as message_id.
-func (p *Publisher) Outbox() outbox.Publisher { return outboxPublisher{p} }
+// key and its ID as message_id. A batch waits at most wait for its
+// confirms (0: until the relay's context ends); a message whose confirm
+// did not come by then is reported unsent-or-unknown and published again
+// by the relay under the same ID.
+func (p *Publisher) Outbox(wait time.Duration) outbox.Publisher { return outboxPublisher{p, wait} }
 
-type outboxPublisher struct{ p *Publisher }
+type outboxPublisher struct {
+	p    *Publisher
+	wait time.Duration
+}
 
 // Publish implements [outbox.Publisher]: the whole batch is published in
 // order on one channel, then the confirms are awaited. A message whose
@@ -330,6 +336,11 @@ type outboxPublisher struct{ p *Publisher }
 // the same ID); a returned one a permanent error.
 func (o outboxPublisher) Publish(ctx context.Context, batch []outbox.Message, results []error) {
 	p := o.p
+	if o.wait > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, o.wait)
+		defer cancel()
+	}
 	pds := make([]pending, len(batch))
 	sent := 0
 	for i := range batch {

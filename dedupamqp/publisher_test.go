@@ -93,7 +93,7 @@ func TestOutboxPublisher(t *testing.T) {
 		{ID: "o-3", Topic: r.queue, Payload: []byte("3"), Headers: map[string]string{"traceparent": "00-x"}},
 	}
 	results := make([]error, len(batch))
-	r.pub.Outbox().Publish(ctxT(t), batch, results)
+	r.pub.Outbox(10*time.Second).Publish(ctxT(t), batch, results)
 	if results[0] != nil || results[2] != nil {
 		t.Fatalf("results %v", results)
 	}
