@@ -23,36 +23,50 @@
 //   - A key whose first request is still running is a 409 with
 //     Retry-After (the seconds until its lease ends), or, with [WithWait],
 //     the request waits for the first and replays its response.
-//   - Tenants are isolated: the tenant is part of the store key, so a
-//     tenant can neither read nor collide with another tenant's record
-//     (no cross-user response poisoning). Configure [WithTenant]; without
-//     it all requests are one tenant.
-//   - Fail closed: if the store cannot be reached the request gets 503 and
-//     the handler does not run.
-//   - A client that hangs up does not decide the outcome: the handler's
-//     response does. The response is stored (or the key released) after
-//     the handler returns, on a context detached from the request, bounded
-//     by [WithFinalizeTimeout].
+//   - Callers are isolated: the tenant (and, with [WithPrincipal], the
+//     SHA-256 of the principal) is part of the store key, so a caller can
+//     neither read nor collide with another's record. [New] refuses to
+//     build without [WithTenant] unless [WithSingleTenant] is given: with
+//     no scope, a key is a bearer token for the first caller's response.
+//     A tenant header sent twice, holding a list, or named in Connection
+//     is 400 ([ErrTenantInvalid]).
+//   - Fail closed: if the store cannot be reached at claim the request
+//     gets 503 and the handler does not run.
+//   - An unknown outcome is never released. What happens to the key
+//     follows the class of the outcome ([Outcome], [SetOutcome]):
+//     never started (our own 400s, a handler that declares
+//     [OutcomeNotStarted]) releases it; finished (a complete response)
+//     stores it by [WithStorePolicy] (default [DefaultStoreStatus]: 2xx,
+//     3xx and 4xx except 401, 403, 408, 409, 423, 425 and 429) or
+//     releases it; unknown (the handler's context ended with nothing
+//     written, [OutcomeUnknown], a panic, a hijack, a response larger than
+//     [WithMaxStoredBody], a failed Complete) holds it until its lease
+//     ends: a retry meanwhile gets 409 with the seconds left on the lease.
+//     [WithStoreUnknownOutcome] stores such a response as final instead.
+//   - A client that hangs up does not decide the outcome. With
+//     [WithHandlerTimeout] the handler runs on a context the hang-up does
+//     not cancel, ending a fixed time after the claim (shorter than the
+//     lease); the recorder stops writing to a gone client but keeps
+//     recording, so the response is stored for the retry. The store call
+//     runs on a detached context bounded by [WithFinalizeTimeout].
 //
 // # What it does not guarantee
 //
 //   - A handler that outlives its lease ([WithLease], default 30s) may run
 //     again for a retry that arrives after the lease ended. Make the lease
-//     longer than the slowest handler.
-//   - Responses that are not stored release the key, and a retry runs the
-//     handler again: by default 5xx responses ([WithStorePolicy]), a
-//     panicking handler, and a response body larger than
-//     [WithMaxStoredBody] (default 1 MiB; the response still reaches the
-//     client). If such a handler had an effect, a retry repeats it: give
-//     the handler's own effect an idempotency key, or store such
-//     responses.
-//   - If storing the response fails after the handler ran, the key stays in
-//     progress until its lease ends; the retry after that runs the handler
-//     again.
+//     longer than the slowest handler, or bound the handler with
+//     [WithHandlerTimeout].
+//   - A finished response that the policy does not store (5xx by default)
+//     releases the key, and a retry runs the handler again; if the handler
+//     had an effect, give the effect its own idempotency key, or store
+//     such responses.
+//   - After an unknown outcome the retry that comes after the lease ends
+//     runs the handler again.
 //   - Records live as long as the store keeps them: memstore loses them on
 //     restart, durable stores keep them for the retention period.
-//   - A handler that hijacks the connection is not recorded: the key is
-//     released. Trailers are not stored.
+//   - Trailers are not stored. With no Accept-Encoding field any stored
+//     Content-Encoding is replayed (RFC 9110); a request whose
+//     Accept-Encoding refuses it gets 406.
 //
 // # Status codes
 //
@@ -63,8 +77,12 @@
 //	400  key missing on a route that requires one, several Idempotency-Key
 //	     headers, a malformed, empty or oversized key, an unreadable body,
 //	     or a fingerprint function that failed (e.g. a body that is not JSON)
-//	401  the tenant function found no tenant ([WithMissingTenantStatus])
-//	409  the first request with this key is still running (Retry-After)
+//	400  a tenant or principal header sent twice, holding a list, or named
+//	     in Connection
+//	401  the tenant or principal function found none ([WithMissingTenantStatus])
+//	406  the stored Content-Encoding is refused by the request's Accept-Encoding
+//	409  the first request with this key is still running or its outcome is
+//	     unknown (Retry-After: the seconds left on its lease)
 //	413  the request body is larger than [WithMaxBody] (default 1 MiB)
 //	422  the key was used before with another payload
 //	500  a stored response could not be decoded
@@ -76,9 +94,10 @@
 //	                         ("...") or a bare token; at most MaxKeyBytes
 //	                         (255) bytes; see [ParseKey]
 //	Idempotent-Replayed      response: "true" on a replayed response
-//	Idempotency-Key-Expires  response: on every response that is stored or
-//	                         replayed, the HTTP-date until which it is kept
-//	                         at least (the expiry policy)
+//	Idempotency-Key-Expires  response: on a replay, and on a first response
+//	                         certain to be stored (a stored status and a
+//	                         declared Content-Length within the limit), the
+//	                         HTTP-date until which it is kept at least
 //	Retry-After              response: on 409 and 503
 //
 // # Expiry policy
@@ -91,11 +110,13 @@
 //
 // # Scope and fingerprint
 //
-// The store key's scope is the tenant, the method and the route
+// The store key's scope is the tenant, the principal's hash, the method
+// and the route
 // ([WithRoute]; default the ServeMux pattern when the middleware wraps a
 // handler registered on a Go 1.22 ServeMux, else the URL path). The
 // fingerprint ([WithFingerprint]) is by default the SHA-256 of the method,
 // the path with its query and the body; [FingerprintJSONFields] fingerprints
-// chosen JSON fields instead. The body is read (up to [WithMaxBody]) before
-// the handler runs and given to it again unchanged.
+// chosen JSON fields instead. The body is read (up to [WithMaxBody], into a
+// buffer that grows as bytes arrive) before the handler runs and given to
+// it again unchanged.
 package deduphttp

@@ -45,3 +45,41 @@ func Example() {
 	// 422 replayed: false
 	// charges: 1
 }
+
+// Keys bound to the caller: the tenant and the principal (here the
+// Authorization header, hashed) scope every key, so another user of the
+// same tenant who sends the same key runs their own request.
+func Example_principal() {
+	store, _ := memstore.New()
+	defer store.Close()
+	m, _ := deduphttp.New(store,
+		deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")),
+		deduphttp.WithPrincipal(deduphttp.PrincipalHeader("Authorization")))
+	runs := 0
+	srv := httptest.NewServer(m.Required(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.WriteHeader(http.StatusCreated)
+	})))
+	defer srv.Close()
+	for _, auth := range []string{"Bearer alice", "Bearer alice", "Bearer bob", ""} {
+		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader(`{"amount":10}`))
+		req.Header.Set("Idempotency-Key", "order-7")
+		req.Header.Set("X-Tenant", "acme")
+		if auth != "" {
+			req.Header.Set("Authorization", auth)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			panic(err)
+		}
+		resp.Body.Close()
+		fmt.Printf("%q: %d replayed: %v\n", auth, resp.StatusCode, resp.Header.Get("Idempotent-Replayed") == "true")
+	}
+	fmt.Println("runs:", runs)
+	// Output:
+	// "Bearer alice": 201 replayed: false
+	// "Bearer alice": 201 replayed: true
+	// "Bearer bob": 201 replayed: false
+	// "": 401 replayed: false
+	// runs: 2
+}
