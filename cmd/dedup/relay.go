@@ -43,6 +43,7 @@ type relayFlags struct {
 	sqlitePath string
 	broker     string
 	natsURL    string
+	amqp       relayAMQPFlags
 	stream     string
 	parts      int
 	batch      int
@@ -65,7 +66,8 @@ func newRelayFlagSet(f *relayFlags) *flag.FlagSet {
 	fs.StringVar(&f.pg.schema, "schema", "public", "`schema` of the store's tables")
 	fs.StringVar(&f.pg.prefix, "prefix", "dedup_", "`prefix` of the store's table names")
 	fs.StringVar(&f.sqlitePath, "sqlite-path", "", "with --store sqlite: the database `file`")
-	fs.StringVar(&f.broker, "broker", "nats", "where to publish: `nats` (JetStream)")
+	fs.StringVar(&f.broker, "broker", "nats", "where to publish: `nats` (JetStream) or rabbitmq")
+	f.amqp.define(fs)
 	fs.StringVar(&f.natsURL, "nats-url", "", "NATS server `URL` (default: $DEDUP_NATS_URL or "+nats.DefaultURL+")")
 	fs.StringVar(&f.stream, "stream", "", "expect this JetStream `stream` to store every message (a message to a subject of no stream is then refused and quarantined)")
 	fs.IntVar(&f.parts, "outbox-partitions", 16, "`N` partitions of the aggregate key space; every relay of one outbox must use the same N")
@@ -88,8 +90,8 @@ func (f *relayFlags) check() error {
 		return badUsage("--store must be postgres or sqlite, got %q", f.store)
 	case f.store == "sqlite" && f.sqlitePath == "":
 		return badUsage("--store sqlite needs --sqlite-path")
-	case f.broker != "nats":
-		return badUsage("--broker must be nats (RabbitMQ and Kafka adapters implement outbox.Publisher in their own packages), got %q", f.broker)
+	case f.broker != "nats" && f.broker != "rabbitmq":
+		return badUsage("--broker must be nats or rabbitmq, got %q", f.broker)
 	case f.parts < 1 || f.parts > 4096:
 		return badUsage("--outbox-partitions must be between 1 and 4096, got %d", f.parts)
 	case f.policy != "block" && f.policy != "skip":
@@ -155,6 +157,9 @@ func runRelay(args []string, stdout, stderr io.Writer) int {
 		return exitFail
 	}
 	defer closeSrc()
+	if f.broker == "rabbitmq" {
+		return runRelayAMQP(ctx, &f, src, stdout, stderr)
+	}
 	nc, err := nats.Connect(natsURLOf(f.natsURL), nats.Name("dedup relay"), nats.MaxReconnects(-1))
 	if err != nil {
 		fmt.Fprintf(stderr, "dedup relay: connect to NATS at %s: %v (set --nats-url or DEDUP_NATS_URL)\n", natsURLOf(f.natsURL), err)
