@@ -373,3 +373,26 @@ func TestPublishUnroutableIsAnError(t *testing.T) {
 		t.Errorf("second return: %v", err)
 	}
 }
+
+// A work queue that exists with other arguments is a TopologyError from
+// Run, not a reconnect loop; the start-up warning reaches WithWarning.
+func TestRunRefusedDeclarationAndWarning(t *testing.T) {
+	r := newRig(t)
+	p := r.processor("topology", r.applyOnce())
+	classic := r.consumer(p)
+	r.declare(classic) // a classic queue with a dead-letter exchange
+	var warned []Warning
+	c, err := NewConsumer(r.url, r.queue, p, WithQueueType(Quorum), WithLogger(r.log),
+		WithWarning(func(_ context.Context, w Warning) { warned = append(warned, w) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = c.Run(ctxT(t))
+	var te *TopologyError
+	if !errors.As(err, &te) {
+		t.Fatalf("Run on a queue declared with other arguments: %v, want a TopologyError", err)
+	}
+	if len(warned) != 1 || warned[0].Kind != QuorumDropsAtLimit || warned[0].Queue != r.queue {
+		t.Errorf("warnings %+v", warned)
+	}
+}
