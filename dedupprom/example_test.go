@@ -1,0 +1,56 @@
+package dedupprom_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/dedupprom"
+	"github.com/dedupkit/dedup/memstore"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// A Runner and a consumer processor feed one registry; /metrics serves it.
+func Example() {
+	m, err := dedupprom.New(dedupprom.WithMaxScopes(20))
+	if err != nil {
+		panic(err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(m)
+
+	store, err := memstore.New()
+	if err != nil {
+		panic(err)
+	}
+	r, err := dedup.NewRunner(store, dedup.WithName("memory"), dedup.WithHooks(m))
+	if err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	key := dedup.Key{Scope: "payments", ID: "charge-1"}
+	for range 2 {
+		if _, err := r.Do(ctx, key, "", func(context.Context) ([]byte, error) { return []byte("ok"), nil }); err != nil {
+			panic(err)
+		}
+	}
+
+	p, err := consumer.New("orders", store, func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) {
+		return nil, nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithObserver(m.Observer("orders")))
+	if err != nil {
+		panic(err)
+	}
+	reg.MustRegister(m.ProcessorCollector("orders", p.Stats))
+	p.Process(ctx, &consumer.Message{ID: "m-1", Subject: "orders.placed"})
+
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", dedupprom.Handler(reg)) // on the admin listener
+
+	n, err := testutil.GatherAndCount(reg, "dedup_duplicates_total", "dedup_consumer_decisions_total")
+	fmt.Println(n, err)
+	// Output: 6 <nil>
+}
