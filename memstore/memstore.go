@@ -40,6 +40,8 @@ type Store struct {
 	system   bool // clock is the system clock: read the monotonic clock directly
 	closed   atomic.Bool
 	evicted  atomic.Int64
+	maxBytes int64        // 0: no byte bound
+	bytes    atomic.Int64 // the records' sizes, by recordSize
 }
 
 type shard struct {
@@ -62,6 +64,7 @@ type config struct {
 	capacity int
 	shards   int
 	strict   bool
+	maxBytes int64
 }
 
 // Option configures a Store.
@@ -87,6 +90,23 @@ func WithShards(n int) Option { return option(func(cfg *config) { cfg.shards = n
 // completed record. Default off (evict the soonest-expiring one).
 func WithStrictCapacity() Option { return option(func(cfg *config) { cfg.strict = true }) }
 
+// WithMaxBytes bounds the memory the records take, counted as their keys,
+// fingerprints and results plus [RecordOverhead] each. A claim of a new key
+// that would pass the bound first frees expired records, then evicts as a
+// full store does (or, with [WithStrictCapacity], is refused with
+// [dedup.ErrFull]). A Complete is never refused: results of claims already
+// admitted may pass the bound by their own size. Default 0: bounded by
+// [WithCapacity] only.
+func WithMaxBytes(n int64) Option { return option(func(cfg *config) { cfg.maxBytes = n }) }
+
+// RecordOverhead is what [WithMaxBytes] counts for a record beyond its
+// key, fingerprint and result: the map entry, the record and its pointers.
+const RecordOverhead = 160
+
+func recordSize(k dedup.Key, fp dedup.Fingerprint, result []byte) int64 {
+	return int64(RecordOverhead + len(k.Scope) + len(k.ID) + len(fp) + len(result))
+}
+
 func defaultConfig() config {
 	return config{clock: dedup.SystemClock{}, capacity: 1_000_000, shards: 64}
 }
@@ -99,6 +119,8 @@ func (c *config) validate() error {
 		return &dedup.ArgumentError{Arg: "memstore shards", Reason: "must be between 1 and 65536"}
 	case c.capacity < c.shards:
 		return &dedup.ArgumentError{Arg: "memstore capacity", Reason: "must be at least the number of shards"}
+	case c.maxBytes < 0:
+		return &dedup.ArgumentError{Arg: "memstore max bytes", Reason: "must not be negative"}
 	}
 	return nil
 }
@@ -123,6 +145,7 @@ func New(opts ...Option) (*Store, error) {
 		clock:    cfg.clock,
 		perShard: (cfg.capacity + n - 1) / n,
 		strict:   cfg.strict,
+		maxBytes: cfg.maxBytes,
 	}
 	_, s.system = cfg.clock.(dedup.SystemClock)
 	s.base = s.clock.Now()
@@ -191,14 +214,24 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, fp dedup.Fingerprint, leas
 				fp = r.fp
 			}
 		}
-	} else if len(sh.m) >= s.perShard {
-		if err := s.makeRoom(sh, now); err != nil {
-			return dedup.Claim{}, err
+	} else {
+		if len(sh.m) >= s.perShard {
+			if err := s.makeRoom(sh, now); err != nil {
+				return dedup.Claim{}, err
+			}
+		}
+		if s.maxBytes > 0 {
+			if err := s.fitBytes(sh, recordSize(key, fp, nil), now); err != nil {
+				return dedup.Claim{}, err
+			}
 		}
 	}
 	if !found {
 		r = new(record)
 		sh.m[key] = r
+		s.bytes.Add(recordSize(key, fp, nil))
+	} else {
+		s.bytes.Add(int64(len(fp)-len(r.fp)) - int64(len(r.result)))
 	}
 	*r = record{token: dedup.NewToken(), fp: fp, until: dedup.DeadlineNanos(now, lease), attempt: attempt}
 	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: r.token, Attempt: int(attempt),
@@ -216,7 +249,7 @@ func (s *Store) makeRoom(sh *shard, now int64) error {
 	for k, r := range sh.m {
 		if r.completed {
 			if r.until <= now {
-				delete(sh.m, k)
+				s.drop(sh, k, r)
 				freed++
 			} else if victimUntil < 0 || r.until < victimUntil {
 				victim, victimUntil = k, r.until
@@ -230,11 +263,34 @@ func (s *Store) makeRoom(sh *shard, now int64) error {
 	case freed > 0:
 		return nil
 	case victimUntil >= 0 && !s.strict:
-		delete(sh.m, victim)
+		s.drop(sh, victim, sh.m[victim])
 		s.evicted.Add(1)
 		return nil
 	}
 	return &dedup.StoreError{Store: storeName, Op: "claim", Err: dedup.ErrFull, NotApplied: true}
+}
+
+// fitBytes makes room in sh for a new record of size bytes under the byte
+// bound, as makeRoom does for the record count, a few rounds at most.
+func (s *Store) fitBytes(sh *shard, size int64, now int64) error {
+	for range 4 {
+		if s.bytes.Load()+size <= s.maxBytes {
+			return nil
+		}
+		if err := s.makeRoom(sh, now); err != nil {
+			return err
+		}
+	}
+	if s.bytes.Load()+size <= s.maxBytes {
+		return nil
+	}
+	return &dedup.StoreError{Store: storeName, Op: "claim", Err: dedup.ErrFull, NotApplied: true}
+}
+
+// drop deletes the record r of key k from sh and uncounts its bytes.
+func (s *Store) drop(sh *shard, k dedup.Key, r *record) {
+	delete(sh.m, k)
+	s.bytes.Add(-recordSize(k, r.fp, r.result))
 }
 
 // Complete implements [dedup.Store].
@@ -260,6 +316,7 @@ func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retentio
 		return nil
 	}
 	r.completed, r.result, r.until = true, clone(result), dedup.DeadlineNanos(s.now(), retention)
+	s.bytes.Add(int64(len(r.result)))
 	return nil
 }
 
@@ -293,10 +350,11 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	sh := s.shard(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if r, ok := sh.m[c.Key]; !ok || r.token != c.Token || r.completed {
+	r, ok := sh.m[c.Key]
+	if !ok || r.token != c.Token || r.completed {
 		return dedup.ErrLeaseLost
 	}
-	delete(sh.m, c.Key)
+	s.drop(sh, c.Key, r)
 	return nil
 }
 
@@ -366,7 +424,7 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 				break
 			}
 			if r.completed && r.until <= now {
-				delete(sh.m, k)
+				s.drop(sh, k, r)
 				n++
 			}
 		}
@@ -382,11 +440,12 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 type Stats struct {
 	Records int   // records held, expired ones included until swept
 	Evicted int64 // live completed records evicted to make room
+	Bytes   int64 // the records' size as WithMaxBytes counts it
 }
 
 // Stats returns the store's current size.
 func (s *Store) Stats() Stats {
-	st := Stats{Evicted: s.evicted.Load()}
+	st := Stats{Evicted: s.evicted.Load(), Bytes: s.bytes.Load()}
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
@@ -407,6 +466,7 @@ func (s *Store) Close() error {
 		clear(sh.m)
 		sh.mu.Unlock()
 	}
+	s.bytes.Store(0)
 	return nil
 }
 

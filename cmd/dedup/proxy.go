@@ -96,6 +96,7 @@ type proxyFlags struct {
 	maxBody         int64
 	maxStoredBody   int
 	memoryRecords   int
+	memoryBytes     int64
 	logFormat       string
 
 	upstreamURL *url.URL
@@ -135,6 +136,7 @@ func newProxyFlagSet(f *proxyFlags) *flag.FlagSet {
 	fs.Int64Var(&f.maxBody, "max-body", 1<<20, "largest keyed request body in `bytes` (larger: 413); at most 64 MiB")
 	fs.IntVar(&f.maxStoredBody, "max-stored-body", 1<<20, "largest response body in `bytes` stored for replay (larger: sent, not stored, and the key is held until --lease ends)")
 	fs.IntVar(&f.memoryRecords, "memory-records", 1_000_000, "with --store memory: most `records` kept")
+	fs.Int64Var(&f.memoryBytes, "memory-bytes", 1<<30, "with --store memory: most `bytes` the records take (keys, fingerprints, stored responses)")
 	fs.StringVar(&f.logFormat, "log-format", "text", "log lines as text or json")
 	return fs
 }
@@ -237,6 +239,9 @@ func (f *proxyFlags) check() error {
 	}
 	if f.memoryRecords != 1_000_000 && f.store != "memory" {
 		return badUsage("--memory-records applies only to --store memory")
+	}
+	if f.memoryBytes < 1<<20 {
+		return badUsage("--memory-bytes must be at least 1 MiB, got %d", f.memoryBytes)
 	}
 	if f.logFormat != "text" && f.logFormat != "json" {
 		return badUsage("--log-format must be text or json, got %q", f.logFormat)

@@ -18,7 +18,7 @@ import (
 // evicting another client's live record.
 func (f *proxyFlags) openProxyStore(ctx context.Context) (dedup.Store, error) {
 	if f.store == "memory" {
-		return memstore.New(memstore.WithCapacity(f.memoryRecords), memstore.WithStrictCapacity())
+		return memstore.New(memstore.WithCapacity(f.memoryRecords), memstore.WithMaxBytes(f.memoryBytes), memstore.WithStrictCapacity())
 	}
 	return f.openStore(ctx)
 }
