@@ -19,7 +19,7 @@ import (
 
 // jetStream connects to the real NATS server and makes a memory stream of
 // the test's own on subjects "<name>.>", deleted when the test ends.
-func jetStream(t *testing.T) (jetstream.JetStream, string) {
+func jetStream(t testing.TB) (jetstream.JetStream, string) {
 	t.Helper()
 	url := testenv.NATSURL(t)
 	nc, err := nats.Connect(url, nats.Timeout(3*time.Second))
