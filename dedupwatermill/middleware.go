@@ -298,10 +298,13 @@ func (m *Middleware) push(w waiting) {
 		return
 	}
 	m.queue = append(m.queue, w)
+	first := len(m.queue) == 1
 	m.mu.Unlock()
-	select {
-	case m.wake <- struct{}{}:
-	default:
+	if first { // the completer may be idle; otherwise it comes back on its own
+		select {
+		case m.wake <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -410,17 +413,16 @@ func (m *Middleware) completer() {
 				m.drain(pending)
 				return
 			}
-		} else {
-			timer.Reset(m.cfg.pollInterval)
-			select {
-			case <-timer.C:
-			case <-m.wake:
-				timer.Stop()
-			case <-m.stopC:
-				timer.Stop()
-				m.drain(pending)
-				return
-			}
+		}
+		// Let the router ack what it is publishing, and more messages
+		// arrive: their completions go in one batch.
+		timer.Reset(m.cfg.pollInterval)
+		select {
+		case <-timer.C:
+		case <-m.stopC:
+			timer.Stop()
+			m.drain(pending)
+			return
 		}
 		m.mu.Lock()
 		pending = append(pending, m.queue...)
