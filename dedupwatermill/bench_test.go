@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
-	"syscall"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
