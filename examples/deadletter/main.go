@@ -39,7 +39,7 @@ func main() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	id, err := deadLetterOne(ctx, *url, *dlqName)
+	id, err := deadLetterOne(ctx, *url, *dlqName, "DEMO_PAYMENTS")
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -47,10 +47,11 @@ func main() {
 	fmt.Printf("next: go run ./cmd/dedup dlq inspect --stream %s %s --payload\n", *dlqName, id)
 }
 
-// deadLetterOne publishes a message whose handler always fails
-// permanently, runs the consumer until it is dead-lettered, and returns
+// deadLetterOne publishes a message on stream (created if missing, its
+// subjects "<stream>.>") whose handler always fails permanently, runs the
+// consumer until the message is dead-lettered into dlqName, and returns
 // the dead letter's record ID.
-func deadLetterOne(ctx context.Context, url, dlqName string) (string, error) {
+func deadLetterOne(ctx context.Context, url, dlqName, stream string) (string, error) {
 	nc, err := nats.Connect(url, nats.Timeout(5*time.Second))
 	if err != nil {
 		return "", fmt.Errorf("connect to NATS at %s (start nats-server -js, or set --nats-url): %w", url, err)
@@ -60,8 +61,8 @@ func deadLetterOne(ctx context.Context, url, dlqName string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	const stream, subject = "DEMO_PAYMENTS", "demo-payments.charge"
-	s, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{"demo-payments.>"},
+	subject := stream + ".charge"
+	s, err := js.CreateOrUpdateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{stream + ".>"},
 		MaxAge: time.Hour, Duplicates: time.Hour})
 	if err != nil {
 		return "", fmt.Errorf("create stream %s (is JetStream enabled? start nats-server with -js): %w", stream, err)

@@ -19,7 +19,10 @@ import (
 // second run adds one more (not the first run's message again).
 func TestDeadLetterOne(t *testing.T) {
 	url := testenv.NATSURL(t)
-	name := fmt.Sprintf("T_DLQ_DEMO_%08x", rand.Uint32())
+	// Streams of the test's own: another run of this test beside it
+	// (go test -count, a second go test) must not purge its message.
+	suffix := rand.Uint32()
+	name, stream := fmt.Sprintf("T_DLQ_DEMO_%08x", suffix), fmt.Sprintf("T_DEMO_PAYMENTS_%08x", suffix)
 	nc, err := nats.Connect(url)
 	if err != nil {
 		t.Fatal(err)
@@ -30,12 +33,13 @@ func TestDeadLetterOne(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		js.DeleteStream(ctx, name)
+		js.DeleteStream(ctx, stream)
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	var ids []string
 	for range 2 {
-		id, err := deadLetterOne(ctx, url, name)
+		id, err := deadLetterOne(ctx, url, name, stream)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -16,8 +16,10 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/dedupamqp"
 	"github.com/dedupkit/dedup/deduphttp"
 	"github.com/dedupkit/dedup/dedupnats"
+	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/dedupkit/dedup/sqlitestore"
 	"github.com/jackc/pgx/v5"
@@ -101,8 +103,42 @@ func natsConsumer(ctx context.Context, js jetstream.JetStream, store dedup.Store
 	return err
 }
 
-// middleware is the README's Idempotency-Key middleware.
+// middleware is the README's Idempotency-Key middleware, keys bound to
+// the tenant and the principal.
 func middleware(store dedup.Store, mux *http.ServeMux, createPayment func(http.ResponseWriter, *http.Request)) {
-	m, _ := deduphttp.New(store, deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")))
+	m, _ := deduphttp.New(store,
+		deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")),
+		deduphttp.WithPrincipal(deduphttp.PrincipalHeader("Authorization")))
 	mux.Handle("POST /payments", m.Required(http.HandlerFunc(createPayment)))
+}
+
+// rabbitConsumer is the README's consumer runtime on RabbitMQ.
+func rabbitConsumer(ctx context.Context, url string, store dedup.Store, handle consumer.Handler, body []byte) error {
+	dlq, _ := dedupamqp.NewDLQ(ctx, url, "orders.dlx", "billing")
+	p, _ := consumer.New("billing", store, handle, consumer.WithDeadLetter(dlq))
+	c, _ := dedupamqp.NewConsumer(url, "orders", p, dedupamqp.WithQueueType(dedupamqp.Quorum),
+		dedupamqp.WithDeadLetterExchange(dlq.Exchange()), dedupamqp.WithConcurrency(8))
+	err := c.Run(ctx)
+
+	pub, _ := dedupamqp.NewPublisher(url) // confirm mode, mandatory, persistent
+	err = pub.Publish(ctx, "orders", &consumer.Message{ID: "order-42/charge", Payload: body})
+	return err
+}
+
+// outboxWrite is the README's outbox row written in the business
+// transaction.
+func outboxWrite(ctx context.Context, s *pgstore.Store) error {
+	var err error
+	err = pgx.BeginFunc(ctx, s.Pool(), func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `UPDATE orders SET status = 'paid' WHERE id = $1`, 42); err != nil {
+			return err
+		}
+		return s.WriteOutbox(ctx, tx, outbox.Message{
+			ID:      outbox.NewID("shop"), // stable: stored with the row, sent on every attempt
+			Topic:   "orders.paid",
+			Key:     "order/42", // per-key order and partitioning
+			Payload: []byte(`{"order":42}`),
+		})
+	})
+	return err
 }
