@@ -1,0 +1,514 @@
+package dedupkafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+)
+
+// ErrClosed is returned by Run after Close, and by Run called twice.
+var ErrClosed = errors.New("dedupkafka: consumer closed")
+
+// errCrashed ends Run when the test hook simulated a crash.
+var errCrashed = errors.New("dedupkafka: simulated crash")
+
+// A Consumer runs a [consumer.Processor] over the records of a Kafka
+// consumer group. See the package documentation for what it commits and
+// when.
+type Consumer struct {
+	p      *consumer.Processor
+	cfg    consumerConfig
+	cl     *kgo.Client
+	group  string
+	topics []string
+
+	mu      sync.Mutex
+	parts   map[tp]*part
+	crashed atomic.Bool
+
+	running  atomic.Bool
+	closing  chan struct{}
+	closeOne sync.Once
+	done     chan struct{}
+
+	st consumerStats
+}
+
+type tp struct {
+	topic     string
+	partition int32
+}
+
+// part is what the consumer holds of one assigned partition: the records
+// polled and not yet final, in offset order, and the offsets.
+type part struct {
+	tp
+	backlog   []*kgo.Record
+	due       time.Time // when a held head may run again
+	held      bool      // the partition's fetches are paused
+	redeliver int       // how many times the head was run before
+	next      kgo.EpochOffset
+	committed int64
+}
+
+// Stats counts what a consumer did.
+type Stats struct {
+	// Records counts records polled.
+	Records uint64
+	// Final counts records whose decision was final (applied, duplicate,
+	// rejected, dead-lettered); Duplicates and DeadLettered are among them.
+	Final, Duplicates, DeadLettered uint64
+	// Held counts Retry decisions: the partition waited and ran the record
+	// again.
+	Held uint64
+	// EnvelopeErrors counts records dead-lettered because a header could
+	// not be read.
+	EnvelopeErrors uint64
+	// Commits and CommitErrors count offset commits (one per partition).
+	Commits, CommitErrors uint64
+	// Revoked and Lost count partitions taken away by a rebalance or lost
+	// to a group error; Dropped counts records polled and not final that
+	// were dropped with them (they are redelivered to the new owner).
+	Revoked, Lost, Dropped uint64
+}
+
+type consumerStats struct {
+	records, final, duplicates, deadLettered, held, envelope atomic.Uint64
+	commits, commitErrors, revoked, lost, dropped            atomic.Uint64
+}
+
+// NewConsumer returns a consumer of topics in group on the brokers
+// ("host:port" seeds) that runs p for each record. It validates its
+// arguments before any I/O and returns a [*dedup.ArgumentError] for a bad
+// one; the client connects lazily, in Run.
+func NewConsumer(brokers []string, group string, topics []string, p *consumer.Processor, opts ...ConsumerOption) (*Consumer, error) {
+	switch {
+	case len(brokers) == 0:
+		return nil, bad("brokers", "needs at least one seed broker")
+	case group == "":
+		return nil, bad("group", "is empty")
+	case len(topics) == 0:
+		return nil, bad("topics", "needs at least one topic")
+	case p == nil:
+		return nil, bad("processor", "is nil")
+	}
+	for _, t := range topics {
+		if !validTopic(t) {
+			return nil, bad("topics", fmt.Sprintf("%q is not a topic name", t))
+		}
+	}
+	cfg := defaultConsumerConfig()
+	for _, o := range opts {
+		o.applyConsumer(&cfg)
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	c := &Consumer{p: p, cfg: cfg, group: group, topics: slices.Clone(topics), parts: map[tp]*part{},
+		closing: make(chan struct{}), done: make(chan struct{})}
+	kopts := append(slices.Clone(cfg.kopts),
+		kgo.SeedBrokers(brokers...),
+		kgo.ConsumerGroup(group),
+		kgo.ConsumeTopics(topics...),
+		kgo.DisableAutoCommit(),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.OnPartitionsRevoked(c.revoked),
+		kgo.OnPartitionsLost(c.lost),
+	)
+	cl, err := kgo.NewClient(kopts...)
+	if err != nil {
+		return nil, fmt.Errorf("dedupkafka: new client: %w", err)
+	}
+	c.cl = cl
+	return c, nil
+}
+
+// validTopic reports whether s can name a Kafka topic.
+func validTopic(s string) bool {
+	if s == "" || len(s) > 249 || s == "." || s == ".." {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		b := s[i]
+		if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || b == '.' || b == '_' || b == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// Client returns the franz-go client, for metrics and admin requests. Do
+// not poll or commit with it.
+func (c *Consumer) Client() *kgo.Client { return c.cl }
+
+// Stats returns the counts so far.
+func (c *Consumer) Stats() Stats {
+	s := &c.st
+	return Stats{
+		Records: s.records.Load(), Final: s.final.Load(), Duplicates: s.duplicates.Load(),
+		DeadLettered: s.deadLettered.Load(), Held: s.held.Load(), EnvelopeErrors: s.envelope.Load(),
+		Commits: s.commits.Load(), CommitErrors: s.commitErrors.Load(),
+		Revoked: s.revoked.Load(), Lost: s.lost.Load(), Dropped: s.dropped.Load(),
+	}
+}
+
+// Run consumes until ctx is done or Close is called, then leaves the group
+// (committing what is final) and returns nil. It returns early with an
+// error only when the client fails for good. Run may be called once.
+func (c *Consumer) Run(ctx context.Context) error {
+	if !c.running.CompareAndSwap(false, true) {
+		return ErrClosed
+	}
+	defer close(c.done)
+	select {
+	case <-c.closing:
+		c.cl.Close()
+		return ErrClosed
+	default:
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-c.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	c.warn(ctx)
+	err := c.loop(ctx)
+	// Leaving the group runs the revocation callback, which commits what is
+	// final (unless a simulated crash said not to).
+	c.cl.Close()
+	if errors.Is(err, errCrashed) {
+		return err
+	}
+	return nil
+}
+
+// Close stops Run, waits for it to commit and leave the group, and closes
+// the client. It is safe to call more than once.
+func (c *Consumer) Close() error {
+	c.closeOne.Do(func() { close(c.closing) })
+	if c.running.Load() {
+		<-c.done
+	} else if c.running.CompareAndSwap(false, true) {
+		close(c.done)
+		c.cl.Close()
+	}
+	return nil
+}
+
+func (c *Consumer) loop(ctx context.Context) error {
+	for ctx.Err() == nil {
+		pctx, cancel := context.WithCancel(ctx)
+		if d, ok := c.nextDue(); ok {
+			cancel()
+			pctx, cancel = context.WithTimeout(ctx, max(d, 0))
+		}
+		fs := c.cl.PollRecords(pctx, c.cfg.maxPoll)
+		cancel()
+		if fs.IsClientClosed() {
+			c.cl.AllowRebalance()
+			return nil
+		}
+		fs.EachError(func(t string, p int32, err error) {
+			if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+				c.cfg.logger.Warn("dedupkafka: fetch error", slog.String("topic", t), slog.Int("partition", int(p)), slog.Any("err", err))
+			}
+		})
+		work := c.take(fs)
+		c.round(ctx, work)
+		if c.cfg.crash != nil && c.cfg.crash(c.finalOffsets(work)) {
+			c.crashed.Store(true)
+			c.cl.AllowRebalance()
+			return errCrashed
+		}
+		c.commit(ctx, work, false)
+		c.pauseResume(work)
+		c.cl.AllowRebalance()
+	}
+	return nil
+}
+
+// nextDue returns how long until the earliest held partition may run.
+func (c *Consumer) nextDue() (time.Duration, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var first time.Time
+	for _, pt := range c.parts {
+		if pt.held && len(pt.backlog) > 0 && (first.IsZero() || pt.due.Before(first)) {
+			first = pt.due
+		}
+	}
+	if first.IsZero() {
+		return 0, false
+	}
+	return time.Until(first), true
+}
+
+// take adds the polled records to their partitions and returns the
+// partitions with records ready to run.
+func (c *Consumer) take(fs kgo.Fetches) []*part {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	fs.EachPartition(func(p kgo.FetchTopicPartition) {
+		if len(p.Records) == 0 {
+			return
+		}
+		k := tp{p.Topic, p.Partition}
+		pt := c.parts[k]
+		if pt == nil {
+			pt = &part{tp: k, committed: -1, next: kgo.EpochOffset{Epoch: -1, Offset: -1}}
+			c.parts[k] = pt
+		}
+		c.st.records.Add(uint64(len(p.Records)))
+		pt.backlog = append(pt.backlog, p.Records...)
+	})
+	now := time.Now()
+	var work []*part
+	for _, pt := range c.parts {
+		if len(pt.backlog) > 0 && (!pt.held || !now.Before(pt.due)) {
+			work = append(work, pt)
+		}
+	}
+	return work
+}
+
+// round processes the partitions in work, at most the concurrency at once,
+// each in offset order until its backlog is empty or a record must wait.
+func (c *Consumer) round(ctx context.Context, work []*part) {
+	if len(work) == 0 {
+		return
+	}
+	ch := make(chan *part)
+	var wg sync.WaitGroup
+	for range min(c.cfg.concurrency, len(work)) {
+		wg.Go(func() {
+			for pt := range ch {
+				c.drain(ctx, pt)
+			}
+		})
+	}
+	for _, pt := range work {
+		ch <- pt
+	}
+	close(ch)
+	wg.Wait()
+}
+
+// drain runs pt's backlog in order. A Retry decision holds the partition:
+// the record and those after it stay in the backlog until the delay ends.
+func (c *Consumer) drain(ctx context.Context, pt *part) {
+	for len(pt.backlog) > 0 && ctx.Err() == nil {
+		n := min(c.cfg.batch, len(pt.backlog))
+		recs := pt.backlog[:n]
+		ms := make([]*consumer.Message, n)
+		ds := make([]consumer.Decision, n)
+		var run []*consumer.Message
+		var at []int
+		for i, r := range recs {
+			delivery := 1
+			if i == 0 {
+				delivery += pt.redeliver
+			}
+			m, err := newMessage(r, delivery)
+			ms[i] = m
+			if err != nil {
+				// Decided in its turn below, after the records before it.
+				ds[i] = consumer.Decision{Err: err}
+				continue
+			}
+			run = append(run, m)
+			at = append(at, i)
+		}
+		if len(run) == 1 {
+			ds[at[0]] = c.p.Process(ctx, run[0])
+		} else if len(run) > 1 {
+			for j, d := range c.p.ProcessBatch(ctx, run) {
+				ds[at[j]] = d
+			}
+		}
+		for i, r := range recs {
+			d := ds[i]
+			if d.Action == 0 {
+				c.st.envelope.Add(1)
+				d = c.p.Quarantine(ctx, ms[i], consumer.ClassPermanent, d.Err)
+			}
+			if d.Action == consumer.Retry {
+				pt.backlog = pt.backlog[i:]
+				if ctx.Err() != nil {
+					return // shutting down: the record stays unfinished
+				}
+				if i > 0 {
+					pt.redeliver = 0
+				}
+				pt.redeliver++
+				pt.held = true
+				pt.due = time.Now().Add(min(max(d.Delay, 0), c.cfg.maxHold))
+				c.st.held.Add(1)
+				c.cfg.logger.Debug("dedupkafka: holding partition", slog.String("topic", pt.topic),
+					slog.Int("partition", int(pt.partition)), slog.Int64("offset", r.Offset),
+					slog.String("message_id", ms[i].ID), slog.Duration("delay", d.Delay), slog.Any("err", d.Err))
+				return
+			}
+			c.st.final.Add(1)
+			if d.Duplicate {
+				c.st.duplicates.Add(1)
+			}
+			if d.Action == consumer.DeadLettered {
+				c.st.deadLettered.Add(1)
+			}
+			pt.next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+		}
+		pt.backlog = pt.backlog[n:]
+		pt.redeliver = 0
+	}
+	if len(pt.backlog) == 0 {
+		pt.backlog = nil
+		pt.held = false
+	}
+}
+
+// finalOffsets returns the offsets to commit for work: one past the last
+// final record of each partition, where it moved.
+func (c *Consumer) finalOffsets(work []*part) map[string]map[int32]kgo.EpochOffset {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := map[string]map[int32]kgo.EpochOffset{}
+	for _, pt := range work {
+		if pt.next.Offset > pt.committed && c.parts[pt.tp] == pt {
+			if out[pt.topic] == nil {
+				out[pt.topic] = map[int32]kgo.EpochOffset{}
+			}
+			out[pt.topic][pt.partition] = pt.next
+		}
+	}
+	return out
+}
+
+// commit commits the final offsets of parts synchronously, on a context
+// detached from ctx with its own timeout, so a shutdown still commits.
+func (c *Consumer) commit(ctx context.Context, parts []*part, locked bool) {
+	var offs map[string]map[int32]kgo.EpochOffset
+	if locked {
+		offs = map[string]map[int32]kgo.EpochOffset{}
+		for _, pt := range parts {
+			if pt.next.Offset > pt.committed {
+				if offs[pt.topic] == nil {
+					offs[pt.topic] = map[int32]kgo.EpochOffset{}
+				}
+				offs[pt.topic][pt.partition] = pt.next
+			}
+		}
+	} else {
+		offs = c.finalOffsets(parts)
+	}
+	if len(offs) == 0 {
+		return
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.commitWait)
+	defer cancel()
+	ok := map[tp]int64{}
+	c.cl.CommitOffsetsSync(cctx, offs, func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
+		if err != nil {
+			c.st.commitErrors.Add(uint64(len(offs)))
+			c.cfg.logger.Warn("dedupkafka: offset commit failed (the records are redelivered and found duplicate)", slog.Any("err", err))
+			return
+		}
+		for _, t := range resp.Topics {
+			for _, p := range t.Partitions {
+				if e := kerr.ErrorForCode(p.ErrorCode); e != nil {
+					c.st.commitErrors.Add(1)
+					c.cfg.logger.Warn("dedupkafka: offset commit failed", slog.String("topic", t.Topic), slog.Int("partition", int(p.Partition)), slog.Any("err", e))
+					continue
+				}
+				c.st.commits.Add(1)
+				ok[tp{t.Topic, p.Partition}] = offs[t.Topic][p.Partition].Offset
+			}
+		}
+	})
+	if !locked {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+	}
+	for _, pt := range parts {
+		if o, found := ok[pt.tp]; found && o > pt.committed {
+			pt.committed = o
+		}
+	}
+}
+
+// pauseResume pauses the fetches of held partitions, so no record after a
+// held one is polled, and resumes those no longer held.
+func (c *Consumer) pauseResume(work []*part) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	pause, resume := map[string][]int32{}, map[string][]int32{}
+	for _, pt := range work {
+		if c.parts[pt.tp] != pt {
+			continue
+		}
+		if pt.held {
+			pause[pt.topic] = append(pause[pt.topic], pt.partition)
+		} else {
+			resume[pt.topic] = append(resume[pt.topic], pt.partition)
+		}
+	}
+	if len(pause) > 0 {
+		c.cl.PauseFetchPartitions(pause)
+	}
+	if len(resume) > 0 {
+		c.cl.ResumeFetchPartitions(resume)
+	}
+}
+
+// revoked runs when a rebalance takes partitions away (and when the
+// client leaves the group): it commits what is final of them, never past
+// an unfinished record, and drops their unfinished records, which the new
+// owner reads again from the committed offset. BlockRebalanceOnPoll makes
+// it run only between rounds, never during processing or a commit.
+func (c *Consumer) revoked(ctx context.Context, cl *kgo.Client, lost map[string][]int32) {
+	c.release(ctx, lost, !c.crashed.Load(), &c.st.revoked)
+}
+
+// lost runs when the group membership failed (a session timeout, a
+// fencing): the partitions may already belong to another member, so
+// nothing is committed; their unfinished records are dropped.
+func (c *Consumer) lost(ctx context.Context, cl *kgo.Client, lost map[string][]int32) {
+	c.release(ctx, lost, false, &c.st.lost)
+}
+
+func (c *Consumer) release(ctx context.Context, tps map[string][]int32, commit bool, n *atomic.Uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var gone []*part
+	for t, ps := range tps {
+		for _, p := range ps {
+			if pt := c.parts[tp{t, p}]; pt != nil {
+				gone = append(gone, pt)
+			}
+			n.Add(1)
+		}
+	}
+	if commit {
+		c.commit(ctx, gone, true)
+	}
+	for _, pt := range gone {
+		c.st.dropped.Add(uint64(len(pt.backlog)))
+		delete(c.parts, pt.tp)
+	}
+	if len(tps) > 0 {
+		c.cl.ResumeFetchPartitions(tps)
+	}
+}

@@ -1,0 +1,70 @@
+// Package dedupkafka runs a [consumer.Processor] over Kafka with franz-go:
+// a consumer-group [Consumer] that commits offsets only after durable
+// work, an idempotent [Publisher] (also the outbox relay's publisher,
+// [Publisher.Outbox]), and a [DLQ] that keeps dead letters on a topic for
+// `dedup dlq` and [consumer.Replay].
+//
+// Kafka's own exactly-once (the idempotent producer, transactions) covers
+// the produce window and consume-transform-produce inside Kafka. A
+// consumer crash after its database commit and before its offset commit,
+// a rebalance, an offset reset or a replay still redeliver, and an effect
+// outside Kafka (a row, a charge) is outside any Kafka transaction. The
+// processor's dedup store is what makes those redeliveries harmless.
+//
+// # Keys
+//
+// A record's dedup key is its Dedup-Msg-Id header when present, else
+// "topic/partition/offset". The latter catches redelivery of that record
+// (a crash, a rebalance, an offset reset), not a producer that sends the
+// same event twice (the second copy has another offset): producers should
+// set Dedup-Msg-Id, as [Publisher] and the outbox relay do.
+// Dedup-Business-Key, Dedup-Aggregate (else the record key) and
+// Dedup-Version fill the rest of the [consumer.Message]; a Dedup-Version
+// that does not parse dead-letters the record ([HeaderError]).
+//
+// # Consumer
+//
+//   - Records of one partition run one at a time, in offset order;
+//     partitions run in parallel, at most [WithConcurrency] at once.
+//   - Offsets are committed only up to the highest contiguous record whose
+//     decision is final (applied, duplicate, rejected, dead-lettered),
+//     synchronously after each poll's records were processed, on a context
+//     detached from Run's.
+//   - Retry: Kafka has no per-record negative acknowledgement. A Retry
+//     decision holds its partition: its fetches are paused, the record
+//     and those after it wait in memory for the processor's delay (capped
+//     by [WithMaxHold]), and the other partitions go on. Nothing past the
+//     held record is committed.
+//   - Rebalances: the client is built with kgo.BlockRebalanceOnPoll, so a
+//     rebalance waits until the poll's records are processed and their
+//     offsets committed: it never interleaves with processing or a commit.
+//     On revocation the consumer commits what is final and drops the
+//     partition's unfinished records (the new owner reads them again from
+//     the committed offset and dedup absorbs any repeat). On loss
+//     (a fenced or expired membership) nothing is committed. Keep a poll's
+//     records times the handler time under the rebalance timeout
+//     ([WithMaxPollRecords]).
+//   - Dead letters go to the processor's sink; a [DLQ] keeps them on a
+//     topic with the original value, key, headers and message ID, plus
+//     the failure.
+//   - Start-up warnings ([Warning]): a topic whose retention.ms outlives
+//     the dedup retention (a replay from its start applies records again),
+//     committed offsets that expire before the topic's records, and a
+//     replay horizon ([WithReplayHorizon]) past the dedup retention.
+//
+// # Publisher
+//
+// franz-go's idempotent producer with acks=all (NewPublisher refuses
+// options that weaken either), pinned at franz-go v1.22.2 or later, which
+// fixes an idempotent-producer bug that could acknowledge a record it
+// never wrote. A produce retried inside the client after a lost response
+// is written once; a re-send from outside the client (the relay after a
+// crash) carries the same Dedup-Msg-Id and is absorbed by the consumer.
+//
+// # What it does not do
+//
+// It has no retry topic: a retry holds its partition. Attempt counts live
+// in memory. Batch mode ([WithBatch]) gives up strict per-key order when a
+// record of the batch is retried. The transactional consume-transform-
+// produce processor of issue 16 is not built yet.
+package dedupkafka

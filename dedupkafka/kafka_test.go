@@ -1,0 +1,284 @@
+package dedupkafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/memstore"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// Every record applied once, partitions consumed, offsets committed to the
+// end.
+func TestConsumeCommitsToEnd(t *testing.T) {
+	_, seeds := cluster(t, 4, "orders")
+	const n = 400
+	produce(t, seeds, "orders", n, 16, nil)
+	eff := newEffects()
+	c := newConsumer(t, seeds, "g", "orders", processor(t, nil, eff, nil))
+	stop := run(t, c)
+	allCommitted(t, seeds, "g", "orders")
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	eff.check(t, n)
+	if st := c.Stats(); st.Final != n || st.Records != n {
+		t.Errorf("stats %+v, want %d records all final", st, n)
+	}
+}
+
+// A crash after the store's commit and before the offset commit: the next
+// consumer gets the records again and finds them duplicates.
+func TestCrashAfterStoreCommitBeforeOffsetCommit(t *testing.T) {
+	_, seeds := cluster(t, 2, "orders")
+	const n = 100
+	produce(t, seeds, "orders", n, 8, nil)
+	store, _ := memstore.New()
+	defer store.Close()
+	eff := newEffects()
+	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, nil))
+	var asked atomic.Int32
+	c1.cfg.crash = func(offs map[string]map[int32]kgo.EpochOffset) bool {
+		asked.Add(1)
+		return len(offs) > 0 // crash at the first commit of anything
+	}
+	if err := c1.Run(context.Background()); !errors.Is(err, errCrashed) {
+		t.Fatalf("Run = %v, want the simulated crash", err)
+	}
+	applied := eff.distinct()
+	if applied == 0 {
+		t.Fatal("nothing applied before the crash")
+	}
+	if got := committed(t, seeds, "g", "orders"); len(got) != 0 {
+		t.Fatalf("offsets committed by a crashed consumer: %v", got)
+	}
+	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, nil))
+	stop := run(t, c2)
+	allCommitted(t, seeds, "g", "orders")
+	stop()
+	eff.check(t, n)
+	if d := c2.Stats().Duplicates; d != uint64(applied) {
+		t.Errorf("second consumer saw %d duplicates, want the %d applied before the crash", d, applied)
+	}
+}
+
+// A crash before the store's commit (the handler was running when the
+// process went down): nothing past the unfinished record is committed,
+// and the redelivery applies it once.
+func TestCrashBeforeStoreCommit(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 50
+	produce(t, seeds, "orders", n, 4, nil)
+	store, _ := memstore.New()
+	defer store.Close()
+	eff := newEffects()
+	entered := make(chan struct{})
+	var once sync.Once
+	block := func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		if m.ID == "m20" {
+			once.Do(func() { close(entered) })
+			<-ctx.Done() // the process dies mid-handler
+			return nil, ctx.Err()
+		}
+		return nil, nil
+	}
+	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, block))
+	stop1 := run(t, c1)
+	<-entered
+	stop1()
+	if got := committed(t, seeds, "g", "orders")[0]; got > 20 {
+		t.Fatalf("committed offset %d is past the unfinished record at 20", got)
+	}
+	if eff.n["m20"] != 0 {
+		t.Fatal("m20 took effect before the crash")
+	}
+	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, nil))
+	stop2 := run(t, c2)
+	allCommitted(t, seeds, "g", "orders")
+	stop2()
+	eff.check(t, n)
+}
+
+// Two consumers in one group, the second joining mid-run and the first
+// leaving: no record lost, none applied twice, and no offset ever
+// committed past unfinished work.
+func TestRebalanceMidRun(t *testing.T) {
+	_, seeds := cluster(t, 6, "orders")
+	const n = 3000
+	produce(t, seeds, "orders", n, 64, nil)
+	store, _ := memstore.New()
+	defer store.Close()
+	eff := newEffects()
+	var seen atomic.Int64
+	slow := func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		seen.Add(1)
+		return nil, nil
+	}
+	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, slow), WithMaxPollRecords(50))
+	stop1 := run(t, c1)
+	waitFor(t, "first records", func() bool { return seen.Load() > 200 })
+	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, slow), WithMaxPollRecords(50))
+	stop2 := run(t, c2)
+	waitFor(t, "the second consumer to get partitions", func() bool { return c2.Stats().Records > 0 })
+	stop1()
+	allCommitted(t, seeds, "g", "orders")
+	stop2()
+	eff.check(t, n)
+	s1, s2 := c1.Stats(), c2.Stats()
+	if s1.Revoked == 0 {
+		t.Errorf("the first consumer saw no revocation: %+v", s1)
+	}
+	t.Logf("c1 %+v\nc2 %+v", s1, s2)
+}
+
+// A poison record goes to the dead-letter topic with its original IDs,
+// key and headers while its partition goes on; a replay from the topic
+// applies exactly what never completed.
+func TestPoisonToDLQAndReplay(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 30
+	produce(t, seeds, "orders", n, 3, func(i int, r *kgo.Record) {
+		r.Headers = append(r.Headers, kgo.RecordHeader{Key: "trace", Value: []byte("t" + strconv.Itoa(i))})
+	})
+	dlq, err := NewDLQ(context.Background(), seeds, "orders.dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dlq.Close()
+	store, _ := memstore.New()
+	defer store.Close()
+	eff := newEffects()
+	var fixed atomic.Bool
+	poison := func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		if (m.ID == "m7" || m.ID == "m8") && !fixed.Load() {
+			return nil, consumer.Permanent(errors.New("cannot parse"))
+		}
+		return nil, nil
+	}
+	p := processor(t, store, eff, poison, consumer.WithDeadLetter(dlq))
+	c := newConsumer(t, seeds, "g", "orders", p)
+	stop := run(t, c)
+	allCommitted(t, seeds, "g", "orders")
+	stop()
+	if eff.distinct() != n-2 {
+		t.Fatalf("%d applied, want %d (all but the poison)", eff.distinct(), n-2)
+	}
+	ctx := context.Background()
+	dls, err := dlq.List(ctx, "", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dls) != 2 {
+		t.Fatalf("%d dead letters, want 2", len(dls))
+	}
+	for _, dl := range dls {
+		m := dl.Message
+		i, _ := strconv.Atoi(m.ID[1:])
+		if m.Subject != "orders" || m.Headers["trace"] != "t"+strconv.Itoa(i) || m.Headers[HeaderKafkaKey] != fmt.Sprintf("k%d", i%3) ||
+			dl.Key != (dedup.Key{Scope: "kafka-test", ID: m.ID}) || dl.Class != consumer.ClassPermanent || string(m.Payload) != "v"+strconv.Itoa(i) {
+			t.Errorf("dead letter %+v lost its original IDs, key or headers", dl)
+		}
+	}
+	// Delete one by hand; the other is replayed through Kafka.
+	if err := dlq.Delete(ctx, dls[0].ID); err != nil {
+		t.Fatal(err)
+	}
+	if left, _ := dlq.List(ctx, "", 0); len(left) != 1 || left[0].ID != dls[1].ID {
+		t.Fatalf("after delete: %+v", left)
+	}
+	fixed.Store(true)
+	pub, err := NewPublisher(seeds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	rep, err := consumer.Replay(ctx, dlq, pub, consumer.ReplayOptions{Store: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Replayed != 1 {
+		t.Fatalf("replay report %+v, want 1 replayed", rep)
+	}
+	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, poison))
+	stop2 := run(t, c2)
+	allCommitted(t, seeds, "g", "orders")
+	stop2()
+	if eff.n[dls[1].Message.ID] != 1 || eff.n[dls[0].Message.ID] != 0 {
+		t.Fatalf("after replay: %v", eff.n)
+	}
+	if left, _ := dlq.List(ctx, "", 0); len(left) != 0 {
+		t.Fatalf("replayed record still listed: %+v", left)
+	}
+}
+
+// Transient failures hold the partition: the record is retried before
+// any later one, so each key's order is kept.
+func TestRetryKeepsOrder(t *testing.T) {
+	_, seeds := cluster(t, 2, "orders")
+	const n, keys = 200, 5
+	produce(t, seeds, "orders", n, keys, nil)
+	eff := newEffects()
+	var mu sync.Mutex
+	fails := map[string]int{}
+	flaky := func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		i, _ := strconv.Atoi(m.ID[1:])
+		if i%17 == 0 && fails[m.ID] < 2 {
+			fails[m.ID]++
+			return nil, consumer.Transient(errors.New("busy"))
+		}
+		return nil, nil
+	}
+	c := newConsumer(t, seeds, "g", "orders", processor(t, nil, eff, flaky))
+	stop := run(t, c)
+	allCommitted(t, seeds, "g", "orders")
+	stop()
+	eff.check(t, n)
+	if h := c.Stats().Held; h != uint64(2*len(fails)) {
+		t.Errorf("held %d times, want %d", h, 2*len(fails))
+	}
+	for k, ids := range eff.order {
+		if !slices.IsSortedFunc(ids, func(a, b string) int {
+			x, _ := strconv.Atoi(a[1:])
+			y, _ := strconv.Atoi(b[1:])
+			return x - y
+		}) {
+			t.Errorf("key %s applied out of order: %v", k, ids)
+		}
+	}
+}
+
+// Bad arguments are refused before any I/O.
+func TestNewConsumerArguments(t *testing.T) {
+	p := processor(t, nil, newEffects(), nil)
+	for _, tc := range []struct {
+		brokers []string
+		group   string
+		topics  []string
+		opts    []ConsumerOption
+	}{
+		{nil, "g", []string{"t"}, nil},
+		{[]string{"x:1"}, "", []string{"t"}, nil},
+		{[]string{"x:1"}, "g", nil, nil},
+		{[]string{"x:1"}, "g", []string{"bad topic"}, nil},
+		{[]string{"x:1"}, "g", []string{"t"}, []ConsumerOption{WithConcurrency(0)}},
+		{[]string{"x:1"}, "g", []string{"t"}, []ConsumerOption{WithBatch(1000)}},
+		{[]string{"x:1"}, "g", []string{"t"}, []ConsumerOption{WithLogger(nil)}},
+	} {
+		if _, err := NewConsumer(tc.brokers, tc.group, tc.topics, p, tc.opts...); !errors.Is(err, dedup.ErrInvalidArgument) {
+			t.Errorf("NewConsumer(%v, %q, %v) = %v, want an invalid-argument error", tc.brokers, tc.group, tc.topics, err)
+		}
+	}
+	if _, err := NewConsumer([]string{"x:1"}, "g", []string{"t"}, nil); !errors.Is(err, dedup.ErrInvalidArgument) {
+		t.Errorf("nil processor: %v", err)
+	}
+}
