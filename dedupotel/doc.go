@@ -1,0 +1,62 @@
+// Package dedupotel records the events of dedup as OpenTelemetry metrics
+// and spans. It depends on the OpenTelemetry API only (otel, otel/metric,
+// otel/trace, otel/propagation); the application picks the SDK and the
+// exporters, and with none installed every call is a no-op.
+//
+// A [Telemetry] implements the root hook interfaces: give it to
+// dedup.WithHooks and layered.WithHooks for the store metrics. For the
+// consumer runtime, wrap the handler with [Telemetry.Handler] (a
+// "process" span per run) and pass [Telemetry.Observer] to
+// consumer.WithObserver (decision metrics, and a span for each duplicate,
+// which runs no handler).
+//
+// # Metrics
+//
+//	name                                 instrument           attributes                                                   meaning
+//	dedup.claims                         Int64Counter         dedup.store, dedup.scope, dedup.outcome                      claims: acquired, duplicate, in_progress, fingerprint_mismatch, error
+//	dedup.duplicates                     Int64Counter         dedup.store, dedup.scope                                     duplicates by the store or layer that caught them
+//	dedup.takeovers                      Int64Counter         dedup.store, dedup.scope                                     expired leases taken over
+//	dedup.finishes                       Int64Counter         dedup.store, dedup.operation, dedup.result                   complete/release/keep by ok, lease_lost, error
+//	dedup.store.errors                   Int64Counter         dedup.store, dedup.operation                                 failed store calls (fail closed)
+//	dedup.claim.duration                 Float64Histogram s   dedup.store                                                  store latency of a claim
+//	dedup.finish.duration                Float64Histogram s   dedup.store, dedup.operation                                 store latency of a complete or release
+//	dedup.consumer.decisions             Int64Counter         messaging.system, messaging.consumer.group.name,             applied, duplicate, retry, dead_lettered, rejected
+//	                                                          dedup.scope, dedup.action
+//	messaging.client.consumed.messages   Int64Counter         messaging.system, messaging.consumer.group.name,             messages processed (every decision)
+//	                                                          messaging.operation.name
+//	messaging.process.duration           Float64Histogram s   messaging.system, messaging.consumer.group.name,             handler runs; error.type is the failure class
+//	                                                          messaging.operation.name, error.type
+//
+// dedup.scope is bounded as in dedupprom: the first 100 distinct scopes
+// ([WithMaxScopes]) or an allowlist ([WithScopes]), every other scope
+// under "other". Spans carry the scope as it is.
+//
+// # Traces
+//
+// One trace follows a message from the business transaction to its effect:
+//
+//   - The producer calls [Telemetry.Inject] (or [Inject]) on the outbox
+//     message's Headers inside its business span: the row stores
+//     traceparent and tracestate.
+//   - The relay publishes the headers with the message (every publisher
+//     sends outbox headers as broker headers). [Telemetry.PublishedHook],
+//     given to outbox.WithPublishedHook, adds a "publish" span per batch
+//     (kind producer, linked to each message's trace) and a "send <topic>"
+//     span per message in the message's trace.
+//   - The consumer adapter copies broker headers into consumer.Message.
+//     Headers; [Telemetry.Handler] starts "process <subject>" (kind
+//     consumer) as a child of the producer's span, with a link to it, and
+//     the attributes messaging.system, messaging.destination.name,
+//     messaging.consumer.group.name, messaging.message.id,
+//     messaging.operation.name, dedup.scope, dedup.attempt,
+//     dedup.taken_over; a failure sets error.type to its class and the
+//     span status to Error. A take-over adds a dedup.takeover event to the
+//     current span.
+//   - A duplicate runs no handler: [Telemetry.Observer] records a
+//     "process <subject>" span in the same trace, linked to the producer,
+//     with dedup.duplicate=true and dedup.handler_ran=false.
+//
+// The package does not start spans for HTTP requests: use otelhttp around
+// the deduphttp middleware; its outcome is in the request's metrics (see
+// dedupprom.Metrics.HTTPObserver for the Prometheus side).
+package dedupotel
