@@ -44,6 +44,7 @@ type relayFlags struct {
 	broker     string
 	natsURL    string
 	amqp       relayAMQPFlags
+	kafka      relayKafkaFlags
 	stream     string
 	parts      int
 	batch      int
@@ -66,8 +67,9 @@ func newRelayFlagSet(f *relayFlags) *flag.FlagSet {
 	fs.StringVar(&f.pg.schema, "schema", "public", "`schema` of the store's tables")
 	fs.StringVar(&f.pg.prefix, "prefix", "dedup_", "`prefix` of the store's table names")
 	fs.StringVar(&f.sqlitePath, "sqlite-path", "", "with --store sqlite: the database `file`")
-	fs.StringVar(&f.broker, "broker", "nats", "where to publish: `nats` (JetStream) or rabbitmq")
+	fs.StringVar(&f.broker, "broker", "nats", "where to publish: `nats` (JetStream), rabbitmq or kafka")
 	f.amqp.define(fs)
+	f.kafka.define(fs)
 	fs.StringVar(&f.natsURL, "nats-url", "", "NATS server `URL` (default: $DEDUP_NATS_URL or "+nats.DefaultURL+")")
 	fs.StringVar(&f.stream, "stream", "", "expect this JetStream `stream` to store every message (a message to a subject of no stream is then refused and quarantined)")
 	fs.IntVar(&f.parts, "outbox-partitions", 16, "`N` partitions of the aggregate key space; every relay of one outbox must use the same N")
@@ -90,8 +92,8 @@ func (f *relayFlags) check() error {
 		return badUsage("--store must be postgres or sqlite, got %q", f.store)
 	case f.store == "sqlite" && f.sqlitePath == "":
 		return badUsage("--store sqlite needs --sqlite-path")
-	case f.broker != "nats" && f.broker != "rabbitmq":
-		return badUsage("--broker must be nats or rabbitmq, got %q", f.broker)
+	case f.broker != "nats" && f.broker != "rabbitmq" && f.broker != "kafka":
+		return badUsage("--broker must be nats, rabbitmq or kafka, got %q", f.broker)
 	case f.parts < 1 || f.parts > 4096:
 		return badUsage("--outbox-partitions must be between 1 and 4096, got %d", f.parts)
 	case f.policy != "block" && f.policy != "skip":
@@ -159,6 +161,9 @@ func runRelay(args []string, stdout, stderr io.Writer) int {
 	defer closeSrc()
 	if f.broker == "rabbitmq" {
 		return runRelayAMQP(ctx, &f, src, stdout, stderr)
+	}
+	if f.broker == "kafka" {
+		return runRelayKafka(ctx, &f, src, stdout, stderr)
 	}
 	nc, err := nats.Connect(natsURLOf(f.natsURL), nats.Name("dedup relay"), nats.MaxReconnects(-1))
 	if err != nil {
