@@ -84,6 +84,12 @@ func BenchmarkMiddleware(b *testing.B) {
 		run(b, m.Required(benchHandler()), func() string { return "k" + strconv.FormatInt(seq.Add(1), 10) })
 	})
 	b.Run("replay", func(b *testing.B) { run(b, m.Required(benchHandler()), func() string { return "same" }) })
+	// As dedup proxy runs it: the handler on a detached context with a
+	// whole-exchange deadline.
+	detached := newMiddleware(b, newMem(b), deduphttp.WithHandlerTimeout(25*time.Second))
+	b.Run("new-key-detached", func(b *testing.B) {
+		run(b, detached.Required(benchHandler()), func() string { return "d" + strconv.FormatInt(seq.Add(1), 10) })
+	})
 }
 
 // BenchmarkProxy compares calling an upstream directly with calling it

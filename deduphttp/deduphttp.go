@@ -249,7 +249,7 @@ func (m *Middleware) serveKeyed(w http.ResponseWriter, r *http.Request, next htt
 	key := scopedKey(tenant, principal, r.Method, m.cfg.route(r), id)
 
 	ctx := r.Context()
-	claimed := m.now()
+	claimed := time.Now() // the deadline is real time, whatever WithClock says
 	c, err := m.store.Claim(ctx, key, fp, m.cfg.lease)
 	if err == nil && c.Outcome == dedup.InProgress && m.cfg.wait > 0 {
 		c, err = m.waitClaim(ctx, key, fp, c)

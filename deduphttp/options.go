@@ -173,21 +173,23 @@ func TenantHeader(name string) TenantFunc {
 
 // PrincipalHeader returns a [PrincipalFunc] that reads the principal from
 // the named request header (e.g. Authorization: the credential is hashed
-// into the key scope). A missing, repeated, comma-holding or
-// Connection-named header is an error, as for [TenantHeader].
+// into the key scope). A missing, repeated or Connection-named header is an
+// error, as for [TenantHeader]; commas are allowed (a Digest credential
+// holds them).
 func PrincipalHeader(name string) PrincipalFunc {
 	name = textproto.CanonicalMIMEHeaderKey(name)
 	return func(r *http.Request) (string, error) { return headerValue(r, name, "principal") }
 }
 
 func headerValue(r *http.Request, name, what string) (string, error) {
+	noLists := what == "tenant"
 	vs := r.Header[name]
 	switch {
 	case len(vs) == 0 || vs[0] == "":
 		return "", &dedup.ArgumentError{Arg: what, Reason: "header " + name + " is missing"}
 	case len(vs) > 1:
 		return "", fmt.Errorf("%w: header %s is sent %d times", ErrTenantInvalid, name, len(vs))
-	case strings.IndexByte(vs[0], ',') >= 0:
+	case noLists && strings.IndexByte(vs[0], ',') >= 0:
 		return "", fmt.Errorf("%w: header %s holds a list", ErrTenantInvalid, name)
 	}
 	for _, c := range r.Header["Connection"] {
