@@ -86,50 +86,57 @@ func BenchmarkMiddleware(b *testing.B) {
 			return ours(b, s)
 		}},
 	}
-	for _, kind := range []string{"new", "dup"} {
-		for _, c := range cases {
-			b.Run(kind+"/"+c.name, func(b *testing.B) {
-				mw := c.mw(b)
-				var ran atomic.Int64
-				h := mw(func(*message.Message) ([]*message.Message, error) { ran.Add(1); return nil, nil })
-				base := rand.Int() >> 8
-				const hot = 1024 // the redelivered set of the dup case
-				if kind == "dup" {
-					for i := range hot {
-						m := message.NewMessage("msg-"+strconv.Itoa(base+i), payload(base+i))
+	for range benchRounds {
+		for _, kind := range []string{"new", "dup"} {
+			for _, c := range cases {
+				b.Run(kind+"/"+c.name, func(b *testing.B) {
+					mw := c.mw(b)
+					var ran atomic.Int64
+					h := mw(func(*message.Message) ([]*message.Message, error) { ran.Add(1); return nil, nil })
+					base := rand.Int() >> 8
+					const hot = 1024 // the redelivered set of the dup case
+					if kind == "dup" {
+						for i := range hot {
+							m := message.NewMessage("msg-"+strconv.Itoa(base+i), payload(base+i))
+							if _, err := h(m); err != nil {
+								b.Fatal(err)
+							}
+							m.Ack()
+						}
+						time.Sleep(50 * time.Millisecond) // let the completions land
+						ran.Store(0)
+					}
+					b.ReportAllocs()
+					cpu := cpuTime()
+					b.ResetTimer()
+					for i := 0; i < b.N; i++ {
+						n := base + i
+						if kind == "dup" {
+							n = base + i%hot
+						}
+						m := message.NewMessage("msg-"+strconv.Itoa(n), payload(n))
 						if _, err := h(m); err != nil {
 							b.Fatal(err)
 						}
 						m.Ack()
 					}
-					time.Sleep(50 * time.Millisecond) // let the completions land
-					ran.Store(0)
-				}
-				b.ReportAllocs()
-				cpu := cpuTime()
-				b.ResetTimer()
-				for i := 0; i < b.N; i++ {
-					n := base + i
-					if kind == "dup" {
-						n = base + i%hot
+					b.StopTimer()
+					b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
+					if kind == "new" {
+						b.ReportMetric(float64(int64(b.N)-ran.Load())/float64(b.N), "lost/op")
+					} else {
+						b.ReportMetric(float64(ran.Load())/float64(b.N), "reruns/op")
 					}
-					m := message.NewMessage("msg-"+strconv.Itoa(n), payload(n))
-					if _, err := h(m); err != nil {
-						b.Fatal(err)
-					}
-					m.Ack()
-				}
-				b.StopTimer()
-				b.ReportMetric(float64(cpuTime()-cpu)/float64(b.N), "cpu-ns/op")
-				if kind == "new" {
-					b.ReportMetric(float64(int64(b.N)-ran.Load())/float64(b.N), "lost/op")
-				} else {
-					b.ReportMetric(float64(ran.Load())/float64(b.N), "reruns/op")
-				}
-			})
+				})
+			}
 		}
 	}
 }
+
+// benchRounds is how many times each benchmark runs all its cases in
+// turn, so that the machine's load drifts over every case alike (run with
+// -count=1; a name repeated gets a #01 suffix).
+const benchRounds = 3
 
 // cpuTime is the process's CPU time (user and system, every thread: the
 // completer and the garbage collector included) in nanoseconds. On a
@@ -157,38 +164,40 @@ func ours(b *testing.B, s dedup.Store) message.HandlerMiddleware {
 // batched after the acks.
 func BenchmarkRedis(b *testing.B) {
 	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
-	for _, name := range []string{"plain", "ours-redis"} {
-		b.Run(name, func(b *testing.B) {
-			h := func(*message.Message) ([]*message.Message, error) { return nil, nil }
-			if name != "plain" {
-				s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(fmt.Sprintf("dedupwatermill-bench-%x:", rand.Uint64())))
-				if err != nil {
-					b.Fatal(err)
-				}
-				b.Cleanup(func() { s.Close() })
-				mw, err := dedupwatermill.New(s, "bench", dedupwatermill.WithRetention(time.Minute))
-				if err != nil {
-					b.Fatal(err)
-				}
-				b.Cleanup(func() { mw.Close() })
-				h = mw.Middleware(h)
-			}
-			var seq atomic.Int64
-			base := rand.Int() >> 8
-			b.SetParallelism(64)
-			b.ReportAllocs()
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					i := base + int(seq.Add(1))
-					m := message.NewMessage("msg-"+strconv.Itoa(i), payload(i))
-					if _, err := h(m); err != nil {
-						b.Error(err)
-						return
+	for range benchRounds {
+		for _, name := range []string{"plain", "ours-redis"} {
+			b.Run(name, func(b *testing.B) {
+				h := func(*message.Message) ([]*message.Message, error) { return nil, nil }
+				if name != "plain" {
+					s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(fmt.Sprintf("dedupwatermill-bench-%x:", rand.Uint64())))
+					if err != nil {
+						b.Fatal(err)
 					}
-					m.Ack()
+					b.Cleanup(func() { s.Close() })
+					mw, err := dedupwatermill.New(s, "bench", dedupwatermill.WithRetention(time.Minute))
+					if err != nil {
+						b.Fatal(err)
+					}
+					b.Cleanup(func() { mw.Close() })
+					h = mw.Middleware(h)
 				}
+				var seq atomic.Int64
+				base := rand.Int() >> 8
+				b.SetParallelism(64)
+				b.ReportAllocs()
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						i := base + int(seq.Add(1))
+						m := message.NewMessage("msg-"+strconv.Itoa(i), payload(i))
+						if _, err := h(m); err != nil {
+							b.Error(err)
+							return
+						}
+						m.Ack()
+					}
+				})
 			})
-		})
+		}
 	}
 }
