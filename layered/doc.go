@@ -52,9 +52,12 @@
 // RunInbox differs in one way, by design: its durable step runs the
 // business transaction, so a fast-store "in progress" is answered as it is
 // (the caller redelivers later) instead of opening a transaction that would
-// wait on the unique index of the one in flight. The window in which that
-// answer can be stale is bounded by WithInboxLease (default 30s), and only
-// a crash between the durable commit and the fast completion opens it.
+// wait on the unique index of the one in flight. That answer can be stale,
+// for at most WithInboxLease (default 30s), whenever a fast claim is left
+// without an owner: a crash between the durable commit and the fast
+// completion, a fast claim whose reply was lost (Redis applied it, the
+// client timed out), or a fast completion or release that failed within
+// the cleanup timeout.
 //
 // # What each layer saves, honestly
 //

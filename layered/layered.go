@@ -174,6 +174,10 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	}
 	switch dc.Outcome {
 	case dedup.Acquired:
+		if fastOK && !fastCopySafe(fp, dc) {
+			s.releaseFast(ctx, fc)
+			fastOK = false
+		}
 		if !fastOK {
 			fc = dedup.Claim{}
 		}
@@ -251,10 +255,13 @@ func (s *Store) fastAnswer(key dedup.Key, fp dedup.Fingerprint, fc dedup.Claim) 
 }
 
 // backfill writes a durable duplicate back to the faster layers that had
-// lost it.
+// lost it. A claim without a fingerprint does not write the fast store:
+// its copy would match every payload, while the durable record may have a
+// fingerprint (see fastCopySafe); the window records the fingerprint as
+// unknown, which only a request without one can hit.
 func (s *Store) backfill(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, fc dedup.Claim, fastOK bool, result []byte, expires time.Time) {
 	if fastOK && fc.Outcome == dedup.Acquired {
-		if ret := expires.Sub(s.cfg.clock.Now()); !expires.IsZero() && ret > 0 {
+		if ret := expires.Sub(s.cfg.clock.Now()); fp != "" && !expires.IsZero() && ret > 0 {
 			s.completeFast(ctx, fc, result, ret)
 		} else {
 			s.releaseFast(ctx, fc)
@@ -396,8 +403,10 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		}
 		return dc, err
 	case dc.Outcome == dedup.Acquired:
-		if fastOK {
+		if fastOK && fastCopySafe(fp, dc) {
 			s.completeFast(ctx, fc, dc.Result, retention)
+		} else if fastOK {
+			s.releaseFast(ctx, fc)
 		}
 		s.addWindow(key, fp, dc.Result, dedup.Deadline(s.cfg.clock.Now(), retention))
 	case dc.Outcome == dedup.Duplicate:
@@ -413,6 +422,20 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		}
 	}
 	return dc, nil
+}
+
+// fastCopySafe reports whether the fast claim taken with fp may become the
+// fast store's copy of the durable record dc. The copy carries fp, and it
+// must never match a payload that the durable record would refuse as a
+// mismatch: a fast-store duplicate is answered without asking the durable
+// store. A claim with a fingerprint makes a copy that matches no more than
+// the durable record (which has the same fingerprint, or none). A claim
+// without one makes a copy that matches everything, which is right only
+// when the durable record was created by this claim (acquired fresh, so
+// it has no fingerprint either); a take-over keeps the record's
+// fingerprint, and a duplicate has the first request's.
+func fastCopySafe(fp dedup.Fingerprint, dc dedup.Claim) bool {
+	return fp != "" || (dc.Outcome == dedup.Acquired && !dc.TakenOver)
 }
 
 // completeFast completes the fast claim after the durable step, on a

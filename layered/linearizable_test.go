@@ -180,3 +180,85 @@ func TestStaleFastLeaseIsOverruled(t *testing.T) {
 		t.Fatalf("after completion: %v, want duplicate", again.Outcome)
 	}
 }
+
+// slowUnchecked is a durable store whose Claim without a fingerprint
+// waits until the test lets it go (a slow round trip).
+type slowUnchecked struct {
+	*memstore.Store
+	entered, proceed chan struct{}
+}
+
+func (s *slowUnchecked) Claim(ctx context.Context, k dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
+	if fp == "" {
+		close(s.entered)
+		<-s.proceed
+	}
+	return s.Store.Claim(ctx, k, fp, lease)
+}
+
+// TestUncheckedClaimNeverWidensFastCopy (found by review): a claim
+// without a fingerprint must not leave a fast-store copy that matches
+// every payload when the durable record has a fingerprint, or a later
+// request with another payload is answered "duplicate" with someone
+// else's result instead of "mismatch". Two ways there: a concurrent
+// delivery completed first (the unchecked one's durable answer is a
+// duplicate), and a take-over of a record whose fast copy was lost (the
+// durable store keeps the record's fingerprint).
+func TestUncheckedClaimNeverWidensFastCopy(t *testing.T) {
+	const fpB, fpH = dedup.Fingerprint("sha256:bbbb"), dedup.Fingerprint("sha256:hhhh")
+	ctx := context.Background()
+	t.Run("concurrent", func(t *testing.T) {
+		clock := storetest.NewClock()
+		durable := &slowUnchecked{Store: mem(t, clock), entered: make(chan struct{}), proceed: make(chan struct{})}
+		s := newLayered(t, layered.WithFast(mem(t, clock), "fast"), layered.WithDurable(durable, "durable"), layered.WithClock(clock))
+		k := dedup.Key{Scope: "fp", ID: "concurrent"}
+		first := make(chan dedup.Claim, 1)
+		go func() {
+			c, err := s.Claim(ctx, k, "", time.Minute)
+			if err != nil {
+				t.Error(err)
+			}
+			first <- c
+		}()
+		<-durable.entered
+		c, err := s.Claim(ctx, k, fpB, time.Minute)
+		if err != nil || c.Outcome != dedup.Acquired {
+			t.Fatalf("claim with B: %v, %v", c.Outcome, err)
+		}
+		if err := s.Complete(ctx, c, []byte("result-of-B"), time.Hour); err != nil {
+			t.Fatal(err)
+		}
+		close(durable.proceed)
+		if d := <-first; d.Outcome != dedup.Duplicate {
+			t.Fatalf("the unchecked delivery: %v, want duplicate", d.Outcome)
+		}
+		if l, err := s.Claim(ctx, k, fpH, time.Minute); err != nil || l.Outcome != dedup.Mismatch {
+			t.Fatalf("another payload after the backfill: %v %q %v; the durable store says mismatch", l.Outcome, l.Result, err)
+		}
+	})
+	t.Run("takeover", func(t *testing.T) {
+		clock := storetest.NewClock()
+		fast, durable := mem(t, clock), mem(t, clock)
+		s := newLayered(t, layered.WithFast(fast, "fast"), layered.WithDurable(durable, "durable"), layered.WithClock(clock))
+		k := dedup.Key{Scope: "fp", ID: "takeover"}
+		// An owner with payload B dies; its durable record outlives the
+		// fast store's copy (Redis lost it, or its TTL ran out first).
+		if c, err := durable.Claim(ctx, k, fpB, time.Second); err != nil || c.Outcome != dedup.Acquired {
+			t.Fatal(c.Outcome, err)
+		}
+		clock.Advance(2 * time.Second)
+		c, err := s.Claim(ctx, k, "", time.Minute)
+		if err != nil || c.Outcome != dedup.Acquired || !c.TakenOver {
+			t.Fatalf("unchecked take-over: %v (taken over %v), %v", c.Outcome, c.TakenOver, err)
+		}
+		if err := s.Complete(ctx, c, []byte("result-of-B"), time.Hour); err != nil {
+			t.Fatal(err)
+		}
+		if l, err := s.Claim(ctx, k, fpH, time.Minute); err != nil || l.Outcome != dedup.Mismatch {
+			t.Fatalf("another payload after the take-over: %v %q %v; the durable record keeps B", l.Outcome, l.Result, err)
+		}
+		if l, err := s.Claim(ctx, k, fpB, time.Minute); err != nil || l.Outcome != dedup.Duplicate {
+			t.Fatalf("the same payload: %v %v, want duplicate", l.Outcome, err)
+		}
+	})
+}

@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"math"
 	"time"
 
 	"github.com/dedupkit/dedup"
@@ -118,11 +119,21 @@ FROM `+s.names.retention+` ORDER BY scope`)
 		var w RetentionWindow
 		var ret, hor int64
 		err := r.Scan(&w.Scope, &ret, &hor, &w.UpdatedAt)
-		w.Retention, w.ReplayHorizon = time.Duration(ret)*time.Microsecond, time.Duration(hor)*time.Microsecond
+		w.Retention, w.ReplayHorizon = fromMicros(ret), fromMicros(hor)
 		return w, err
 	})
 	if err != nil {
 		return nil, s.fail(ctx, "read retention", err, true)
 	}
 	return out, nil
+}
+
+// fromMicros turns microseconds read from the server into a Duration,
+// saturating at the longest Duration instead of overflowing (a window of
+// "forever" is stored as micros(math.MaxInt64)).
+func fromMicros(us int64) time.Duration {
+	if us > math.MaxInt64/int64(time.Microsecond) {
+		return math.MaxInt64
+	}
+	return time.Duration(us) * time.Microsecond
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -314,10 +315,12 @@ func micros(d time.Duration) int64 {
 	return min(us, maxMicros)
 }
 
-// maxMicros caps a duration sent to the server at 300 years: now plus it
-// stays inside timestamptz's range, and the statements then cap the
-// deadline at dedup.MaxTime (see deadline), so "forever" stays forever.
-const maxMicros = 300 * 366 * 24 * 3600 * 1_000_000
+// maxMicros caps a duration sent to the server at the longest Duration
+// (about 292 years): now plus it stays inside timestamptz's range, the
+// statements then cap the deadline at dedup.MaxTime (see deadline), so
+// "forever" stays forever, and an interval read back (a retention window)
+// still fits a Duration.
+const maxMicros = math.MaxInt64 / int64(time.Microsecond)
 
 // fpBytes returns the fingerprint as a non-nil byte slice (pgx sends a nil
 // slice as NULL).
