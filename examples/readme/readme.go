@@ -14,11 +14,14 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/dedupamqp"
 	"github.com/dedupkit/dedup/deduphttp"
 	"github.com/dedupkit/dedup/dedupnats"
+	"github.com/dedupkit/dedup/dedupwatermill"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/dedupkit/dedup/sqlitestore"
@@ -103,9 +106,9 @@ func natsConsumer(ctx context.Context, js jetstream.JetStream, store dedup.Store
 	return err
 }
 
-// middleware is the README's Idempotency-Key middleware, keys bound to
+// httpMiddleware is the README's Idempotency-Key middleware, keys bound to
 // the tenant and the principal.
-func middleware(store dedup.Store, mux *http.ServeMux, createPayment func(http.ResponseWriter, *http.Request)) {
+func httpMiddleware(store dedup.Store, mux *http.ServeMux, createPayment func(http.ResponseWriter, *http.Request)) {
 	m, _ := deduphttp.New(store,
 		deduphttp.WithTenant(deduphttp.TenantHeader("X-Tenant")),
 		deduphttp.WithPrincipal(deduphttp.PrincipalHeader("Authorization")))
@@ -141,4 +144,19 @@ func outboxWrite(ctx context.Context, s *pgstore.Store) error {
 		})
 	})
 	return err
+}
+
+// watermillRouter is the README's Watermill middleware and outbox
+// publisher.
+func watermillRouter(store dedup.Store, pub message.Publisher, router *message.Router, source outbox.Source) {
+	mw, _ := dedupwatermill.New(store, "billing") // key: the message UUID; or WithMetadataKey
+	poison, _ := middleware.PoisonQueueWithFilter(pub, "poison", dedupwatermill.ShouldPoison)
+	retry := middleware.Retry{MaxRetries: 5, InitialInterval: 100 * time.Millisecond}
+	router.AddMiddleware(poison, retry.Middleware, mw.Middleware) // this order
+	// ... router.Run(ctx); after router.Close():
+	mw.Close()
+
+	op, _ := dedupwatermill.NewOutboxPublisher(pub) // stable outbox ID = Watermill UUID
+	relay, _ := outbox.NewRelay(source, op)
+	_ = relay
 }
