@@ -470,3 +470,34 @@ func TestOptions(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// When a heartbeat finds the lease taken over, the handler's context is
+// cancelled with cause ErrLeaseLost and nothing is completed.
+func TestHeartbeatLeaseLost(t *testing.T) {
+	clock := storetest.NewClock()
+	store, _ := memstore.New(memstore.WithClock(clock))
+	mw := newMiddleware(t, store, dedupwatermill.WithLease(time.Minute), dedupwatermill.WithHeartbeat(time.Millisecond))
+	var cause error
+	h := mw.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		clock.Advance(2 * time.Minute) // the lease runs out between two beats...
+		c, err := store.Claim(context.Background(), dedup.Key{Scope: "orders", ID: m.UUID}, "", time.Hour)
+		if err != nil || !c.TakenOver {
+			return nil, fmt.Errorf("take-over: %+v %v", c, err)
+		}
+		<-m.Context().Done() // ...and the next beat finds it lost
+		cause = context.Cause(m.Context())
+		return nil, nil
+	})
+	m := message.NewMessage("m-1", nil)
+	if _, err := h(m); err != nil {
+		t.Fatal(err)
+	}
+	m.Ack()
+	if !errors.Is(cause, dedup.ErrLeaseLost) {
+		t.Fatalf("cause %v", cause)
+	}
+	mw.Close()
+	if s := mw.Stats(); s.LeaseLost != 1 || s.Completed != 0 {
+		t.Fatalf("stats %+v", s)
+	}
+}
