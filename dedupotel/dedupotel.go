@@ -353,7 +353,10 @@ func (t *Telemetry) Observer(group string) func(*consumer.Message, consumer.Deci
 func (t *Telemetry) Handler(group string, h consumer.Handler) consumer.Handler {
 	return func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
 		ctx, sp := t.startProcess(ctx, group, m, d.Key)
-		sp.SetAttributes(AttrDuplicate.Bool(false), AttrHandlerRan.Bool(true), AttrAttempt.Int(d.Attempt), AttrTakenOver.Bool(d.TakenOver))
+		rec := sp.IsRecording()
+		if rec {
+			sp.SetAttributes(AttrDuplicate.Bool(false), AttrHandlerRan.Bool(true), AttrAttempt.Int(d.Attempt), AttrTakenOver.Bool(d.TakenOver))
+		}
 		start := time.Now()
 		out, err := h(ctx, m, d)
 		s := t.byMessage.Get(scopelabel.Pair{A: group, B: t.scopes.Label(d.Key.Scope)})
@@ -363,8 +366,10 @@ func (t *Telemetry) Handler(group string, h consumer.Handler) consumer.Handler {
 			if int(c) < 5 {
 				idx = int(c) + 1
 			}
-			sp.SetAttributes(AttrErrorType.String(c.String()))
-			sp.SetStatus(codes.Error, c.String())
+			if rec {
+				sp.SetAttributes(AttrErrorType.String(c.String()))
+				sp.SetStatus(codes.Error, c.String())
+			}
 		}
 		t.processDuration.Record(ctx, time.Since(start).Seconds(), s.process[idx]...)
 		sp.End()
@@ -372,23 +377,30 @@ func (t *Telemetry) Handler(group string, h consumer.Handler) consumer.Handler {
 	}
 }
 
-// startProcess starts the span of processing m.
+var consumerKind = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer)}
+
+// startProcess starts the span of processing m. The name, link and
+// attributes are set only on a recording span, so that a non-recording
+// tracer (the API's default) costs no allocation; a sampler therefore sees
+// the parent and the kind, not the attributes.
 func (t *Telemetry) startProcess(ctx context.Context, group string, m *consumer.Message, key dedup.Key) (context.Context, trace.Span) {
 	producer := trace.SpanContextFromContext(t.cfg.prop.Extract(context.Background(), propagation.MapCarrier(m.Headers)))
-	opts := []trace.SpanStartOption{
-		trace.WithSpanKind(trace.SpanKindConsumer),
-		trace.WithAttributes(
-			AttrMessagingSystem.String(t.cfg.system), AttrOperationName.String("process"), AttrOperationType.String("process"),
-			AttrDestinationName.String(m.Subject), AttrConsumerGroup.String(group), AttrMessageID.String(m.ID),
-			AttrScope.String(key.Scope)),
+	if producer.IsValid() && !trace.SpanContextFromContext(ctx).IsValid() {
+		ctx = trace.ContextWithRemoteSpanContext(ctx, producer)
 	}
+	ctx, sp := t.tracer.Start(ctx, "process", consumerKind...)
+	if !sp.IsRecording() {
+		return ctx, sp
+	}
+	sp.SetName("process " + m.Subject)
 	if producer.IsValid() {
-		opts = append(opts, trace.WithLinks(trace.Link{SpanContext: producer}))
-		if !trace.SpanContextFromContext(ctx).IsValid() {
-			ctx = trace.ContextWithRemoteSpanContext(ctx, producer)
-		}
+		sp.AddLink(trace.Link{SpanContext: producer})
 	}
-	return t.tracer.Start(ctx, "process "+m.Subject, opts...)
+	sp.SetAttributes(
+		AttrMessagingSystem.String(t.cfg.system), AttrOperationName.String("process"), AttrOperationType.String("process"),
+		AttrDestinationName.String(m.Subject), AttrConsumerGroup.String(group), AttrMessageID.String(m.ID),
+		AttrScope.String(key.Scope))
+	return ctx, sp
 }
 
 // Inject writes the trace context of ctx into headers (traceparent and
