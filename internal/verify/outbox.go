@@ -273,7 +273,15 @@ func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 		work[i] = make(chan jetstream.Msg, 256)
 		lastVersion[i] = map[string]uint64{}
 		cwg.Go(func() {
-			for m := range work[i] {
+			for {
+				var m jetstream.Msg
+				select {
+				case m = <-work[i]:
+				case <-rctx.Done():
+					// The channels are never closed: the Consume callback
+					// may still be sending after cc.Stop returns.
+					return
+				}
 				deliveries.Add(1)
 				h := m.Headers()
 				id, agg := h.Get(dedupnats.HeaderMsgID), h.Get(dedupnats.HeaderAggregate)
@@ -452,9 +460,6 @@ func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 	stopAll()
 	rwg.Wait()
 	cc.Stop()
-	for _, w := range work {
-		close(w)
-	}
 	cwg.Wait()
 	elapsed := time.Since(start)
 

@@ -20,6 +20,10 @@ func TestOutboxEndToEnd(t *testing.T) {
 			cfg.Store, cfg.NATSURL = store, testenv.NATSURL(t)
 			if store == "postgres" {
 				cfg.PostgresURL = testenv.PostgresURL(t)
+			} else {
+				// One writer: every heartbeat, lease renewal and mark is a
+				// write transaction, so fewer relays and longer leases.
+				cfg.Relays, cfg.Partitions, cfg.Lease = 2, 2, 2*time.Second
 			}
 			cfg.Events, cfg.Aggregates, cfg.Hold, cfg.HoldRate = 300, 20, 300*time.Millisecond, 0.02
 			cfg.CrashRate, cfg.KillRate = 0.1, 0.1
