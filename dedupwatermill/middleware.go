@@ -237,15 +237,21 @@ func (m *Middleware) handle(msg *message.Message, h message.HandlerFunc) (out []
 		}
 	}
 	msg.SetContext(hctx)
+	// failed ends the heartbeat of a handler that did not succeed and
+	// gives the message its context back, for Retry's next try.
+	failed := func() {
+		if hb != nil {
+			hb.halt()
+		}
+		msg.SetContext(ctx)
+	}
 	finished := false
 	defer func() {
 		if finished {
 			return
 		}
 		// A panic: the effect may have started. Keep the claim.
-		if hb != nil {
-			hb.halt()
-		}
+		failed()
 		m.stats.kept.Add(1)
 	}()
 	out, err = h(msg)
@@ -256,9 +262,7 @@ func (m *Middleware) handle(msg *message.Message, h message.HandlerFunc) (out []
 	}
 	switch m.cfg.classify(err) {
 	case dedup.Keep:
-		if hb != nil {
-			hb.halt()
-		}
+		failed()
 		m.stats.kept.Add(1)
 		return nil, err
 	case dedup.Record:
@@ -270,9 +274,7 @@ func (m *Middleware) handle(msg *message.Message, h message.HandlerFunc) (out []
 		m.enqueue(waiting{msg: msg, claim: c, result: result}, hb)
 		return nil, nil
 	}
-	if hb != nil {
-		hb.halt()
-	}
+	failed()
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.cfg.finalizeTimeout)
 	defer cancel()
 	if rerr := m.store.Release(fctx, c); rerr != nil {
@@ -340,6 +342,10 @@ func (m *Middleware) heartbeat(ctx context.Context, cancel context.CancelCauseFu
 	go func() {
 		defer m.beating.Done()
 		defer close(b.exited)
+		// The heartbeat's context ends with it (after the router decided,
+		// or the handler failed), so that it does not stay registered
+		// with the message's parent context.
+		defer cancel(nil)
 		t := time.NewTicker(m.cfg.heartbeat)
 		defer t.Stop()
 		var item *waiting

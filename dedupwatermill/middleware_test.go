@@ -518,3 +518,32 @@ func TestHeartbeatLeaseLost(t *testing.T) {
 		t.Fatalf("stats %+v", s)
 	}
 }
+
+// A handler that fails under a heartbeat gets its message's context back
+// uncancelled, so that Retry's next try claims and runs again.
+func TestHeartbeatRetryAfterFailure(t *testing.T) {
+	store, _ := memstore.New()
+	mw := newMiddleware(t, store, dedupwatermill.WithLease(time.Minute), dedupwatermill.WithHeartbeat(time.Millisecond))
+	var calls atomic.Int64
+	h := mw.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		if calls.Add(1) == 1 {
+			return nil, errors.New("transient")
+		}
+		return nil, m.Context().Err()
+	})
+	m := message.NewMessage("m-1", nil)
+	if _, err := h(m); err == nil {
+		t.Fatal("the first try succeeded")
+	}
+	if m.Context().Err() != nil {
+		t.Fatalf("the message's context is left cancelled: %v", m.Context().Err())
+	}
+	if _, err := h(m); err != nil {
+		t.Fatal(err)
+	}
+	m.Ack()
+	waitFor(t, "completion", func() bool { return mw.Stats().Completed == 1 })
+	if s := mw.Stats(); s.Released != 1 || s.Acquired != 2 {
+		t.Fatalf("stats %+v", s)
+	}
+}
