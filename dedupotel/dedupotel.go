@@ -117,9 +117,9 @@ type Telemetry struct {
 	tracer trace.Tracer
 	scopes *scopelabel.Limiter
 
-	claims, duplicates, takeovers, finishes, storeErrors metric.Int64Counter
-	decisions, consumed                                  metric.Int64Counter
-	claimDuration, finishDuration, processDuration       metric.Float64Histogram
+	claims, duplicates, takeovers, storeErrors     metric.Int64Counter
+	decisions                                      metric.Int64Counter
+	claimDuration, finishDuration, processDuration metric.Float64Histogram
 
 	byScope   *scopelabel.Cache[scopeSets]
 	byStore   *scopelabel.Cache[storeSets]
@@ -134,15 +134,13 @@ type scopeSets struct {
 }
 
 type storeSets struct {
-	claim   []metric.RecordOption
-	finish  [3][3][]metric.AddOption
-	finishD [3][]metric.RecordOption
+	claim  []metric.RecordOption
+	finish [3][3][]metric.RecordOption // op x result
 }
 
 type decisionSets struct {
-	action   [5][]metric.AddOption
-	consumed []metric.AddOption
-	process  [6][]metric.RecordOption // [0] ok, [1+class] error
+	action  [5][]metric.AddOption
+	process [6][]metric.RecordOption // [0] ok, [1+class] error
 }
 
 var (
@@ -192,12 +190,10 @@ func New(opts ...Option) (*Telemetry, error) {
 	t.claims = counter("dedup.claims", "{claim}", "Claims by store, scope and outcome.")
 	t.duplicates = counter("dedup.duplicates", "{message}", "Duplicates by the store or layer that caught them.")
 	t.takeovers = counter("dedup.takeovers", "{claim}", "Expired leases taken over.")
-	t.finishes = counter("dedup.finishes", "{claim}", "Ends of claims by operation and result.")
 	t.storeErrors = counter("dedup.store.errors", "{error}", "Failed store calls (fail closed).")
 	t.decisions = counter("dedup.consumer.decisions", "{message}", "Consumer decisions by action.")
-	t.consumed = counter("messaging.client.consumed.messages", "{message}", "Messages processed by the consumer runtime.")
 	t.claimDuration = hist("dedup.claim.duration", "Store latency of a claim.")
-	t.finishDuration = hist("dedup.finish.duration", "Store latency of a complete or release.")
+	t.finishDuration = hist("dedup.finish.duration", "Ends of claims (complete, release, keep) by result, with the store latency.")
 	t.processDuration = hist("messaging.process.duration", "Duration of a handler run on a message.")
 	if err := errors.Join(errs...); err != nil {
 		return nil, &dedup.ArgumentError{Arg: "meter provider", Reason: "refused an instrument: " + err.Error()}
@@ -220,16 +216,15 @@ func New(opts ...Option) (*Telemetry, error) {
 	t.byStore = scopelabel.NewCache(func(p scopelabel.Pair) *storeSets {
 		s := &storeSets{claim: []metric.RecordOption{set(AttrStore.String(p.A))}}
 		for i, op := range ops {
-			s.finishD[i] = []metric.RecordOption{set(AttrStore.String(p.A), AttrOp.String(op))}
 			for j, r := range finishResult {
-				s.finish[i][j] = []metric.AddOption{set(AttrStore.String(p.A), AttrOp.String(op), AttrResult.String(r))}
+				s.finish[i][j] = []metric.RecordOption{set(AttrStore.String(p.A), AttrOp.String(op), AttrResult.String(r))}
 			}
 		}
 		return s
 	})
 	t.byMessage = scopelabel.NewCache(func(p scopelabel.Pair) *decisionSets {
 		sys, group := AttrMessagingSystem.String(cfg.system), AttrConsumerGroup.String(p.A)
-		s := &decisionSets{consumed: []metric.AddOption{set(sys, group, AttrOperationName.String("process"))}}
+		s := &decisionSets{}
 		for i, a := range actions {
 			s.action[i] = []metric.AddOption{set(sys, group, AttrScope.String(p.B), AttrAction.String(a))}
 		}
@@ -274,8 +269,9 @@ func (t *Telemetry) OnTakeover(ctx context.Context, e dedup.TakeoverEvent) {
 	}
 }
 
-// OnFinish implements [dedup.FinishHook]: dedup.finishes and
-// dedup.finish.duration.
+// OnFinish implements [dedup.FinishHook]: dedup.finish.duration, whose
+// count by dedup.operation and dedup.result counts the ends of claims (a
+// keep has no store call: its duration is 0).
 func (t *Telemetry) OnFinish(ctx context.Context, e dedup.FinishEvent) {
 	var op int
 	switch e.Op {
@@ -296,11 +292,7 @@ func (t *Telemetry) OnFinish(ctx context.Context, e dedup.FinishEvent) {
 	default:
 		r = 2
 	}
-	s := t.byStore.Get(scopelabel.Pair{A: e.Store})
-	t.finishes.Add(ctx, 1, s.finish[op][r]...)
-	if op != 2 {
-		t.finishDuration.Record(ctx, e.Duration.Seconds(), s.finishD[op]...)
-	}
+	t.finishDuration.Record(ctx, e.Duration.Seconds(), t.byStore.Get(scopelabel.Pair{A: e.Store}).finish[op][r]...)
 }
 
 // OnStoreError implements [dedup.StoreErrorHook]: dedup.store.errors.
@@ -309,8 +301,7 @@ func (t *Telemetry) OnStoreError(ctx context.Context, e dedup.StoreErrorEvent) {
 }
 
 // Observer returns a decision observer for [consumer.WithObserver] under
-// the consumer group name: dedup.consumer.decisions and
-// messaging.client.consumed.messages, and for a duplicate (the handler did
+// the consumer group name: dedup.consumer.decisions, and for a duplicate (the handler did
 // not run) a "process" span linked to the producer's span, with
 // dedup.duplicate=true and dedup.handler_ran=false.
 func (t *Telemetry) Observer(group string) func(*consumer.Message, consumer.Decision) {
@@ -334,7 +325,6 @@ func (t *Telemetry) Observer(group string) func(*consumer.Message, consumer.Deci
 		if a >= 0 {
 			t.decisions.Add(ctx, 1, s.action[a]...)
 		}
-		t.consumed.Add(ctx, 1, s.consumed...)
 		if d.Duplicate && m != nil {
 			_, sp := t.startProcess(ctx, group, m, d.Key)
 			sp.SetAttributes(AttrDuplicate.Bool(true), AttrHandlerRan.Bool(false))

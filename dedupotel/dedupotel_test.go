@@ -49,8 +49,8 @@ func newRig(t testing.TB, opts ...dedupotel.Option) *rig {
 	return r
 }
 
-// sum returns the value of the int64 sum name at the data point whose
-// attributes include every one of want.
+// sum returns the value of the int64 sum name (the count of a histogram)
+// summed over the data points whose attributes include every one of want.
 func (r *rig) sum(t *testing.T, name string, want ...attribute.KeyValue) int64 {
 	t.Helper()
 	var rm metricdata.ResourceMetrics
@@ -63,18 +63,29 @@ func (r *rig) sum(t *testing.T, name string, want ...attribute.KeyValue) int64 {
 			if m.Name != name {
 				continue
 			}
-			s, ok := m.Data.(metricdata.Sum[int64])
-			if !ok {
-				t.Fatalf("%s is %T", name, m.Data)
-			}
-		points:
-			for _, dp := range s.DataPoints {
+			match := func(set attribute.Set) bool {
 				for _, kv := range want {
-					if v, ok := dp.Attributes.Value(kv.Key); !ok || v != kv.Value {
-						continue points
+					if v, ok := set.Value(kv.Key); !ok || v != kv.Value {
+						return false
 					}
 				}
-				total += dp.Value
+				return true
+			}
+			switch s := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, dp := range s.DataPoints {
+					if match(dp.Attributes) {
+						total += dp.Value
+					}
+				}
+			case metricdata.Histogram[float64]: // the count
+				for _, dp := range s.DataPoints {
+					if match(dp.Attributes) {
+						total += int64(dp.Count)
+					}
+				}
+			default:
+				t.Fatalf("%s is %T", name, m.Data)
 			}
 		}
 	}
@@ -122,11 +133,12 @@ func TestMetrics(t *testing.T) {
 		{"dedup.claims", 2, []attribute.KeyValue{store1, scope, dedupotel.AttrOutcome.String("acquired")}},
 		{"dedup.claims", 2, []attribute.KeyValue{store1, scope, dedupotel.AttrOutcome.String("duplicate")}},
 		{"dedup.duplicates", 2, []attribute.KeyValue{store1, scope}},
-		{"dedup.finishes", 1, []attribute.KeyValue{store1, dedupotel.AttrOp.String("complete"), dedupotel.AttrResult.String("ok")}},
-		{"dedup.finishes", 1, []attribute.KeyValue{store1, dedupotel.AttrOp.String("release"), dedupotel.AttrResult.String("ok")}},
+		{"dedup.finish.duration", 1, []attribute.KeyValue{store1, dedupotel.AttrOp.String("complete"), dedupotel.AttrResult.String("ok")}},
+		{"dedup.finish.duration", 1, []attribute.KeyValue{store1, dedupotel.AttrOp.String("release"), dedupotel.AttrResult.String("ok")}},
 		{"dedup.consumer.decisions", 1, []attribute.KeyValue{dedupotel.AttrConsumerGroup.String("orders"), dedupotel.AttrAction.String("applied")}},
 		{"dedup.consumer.decisions", 1, []attribute.KeyValue{dedupotel.AttrConsumerGroup.String("orders"), dedupotel.AttrAction.String("duplicate")}},
-		{"messaging.client.consumed.messages", 2, []attribute.KeyValue{dedupotel.AttrMessagingSystem.String("nats")}},
+		{"dedup.consumer.decisions", 2, []attribute.KeyValue{dedupotel.AttrMessagingSystem.String("nats")}},
+		{"messaging.process.duration", 1, []attribute.KeyValue{dedupotel.AttrConsumerGroup.String("orders"), dedupotel.AttrOperationName.String("process")}},
 	} {
 		if got := r.sum(t, c.name, c.kv...); got != c.want {
 			t.Errorf("%s%v = %d, want %d", c.name, c.kv, got, c.want)

@@ -16,16 +16,19 @@
 //	dedup.claims                         Int64Counter         dedup.store, dedup.scope, dedup.outcome                      claims: acquired, duplicate, in_progress, fingerprint_mismatch, error
 //	dedup.duplicates                     Int64Counter         dedup.store, dedup.scope                                     duplicates by the store or layer that caught them
 //	dedup.takeovers                      Int64Counter         dedup.store, dedup.scope                                     expired leases taken over
-//	dedup.finishes                       Int64Counter         dedup.store, dedup.operation, dedup.result                   complete/release/keep by ok, lease_lost, error
 //	dedup.store.errors                   Int64Counter         dedup.store, dedup.operation                                 failed store calls (fail closed)
 //	dedup.claim.duration                 Float64Histogram s   dedup.store                                                  store latency of a claim
-//	dedup.finish.duration                Float64Histogram s   dedup.store, dedup.operation                                 store latency of a complete or release
+//	dedup.finish.duration                Float64Histogram s   dedup.store, dedup.operation, dedup.result                   ends of claims (complete, release, keep; ok, lease_lost, error): the count counts them, the values are store latency
 //	dedup.consumer.decisions             Int64Counter         messaging.system, messaging.consumer.group.name,             applied, duplicate, retry, dead_lettered, rejected
 //	                                                          dedup.scope, dedup.action
-//	messaging.client.consumed.messages   Int64Counter         messaging.system, messaging.consumer.group.name,             messages processed (every decision)
-//	                                                          messaging.operation.name
 //	messaging.process.duration           Float64Histogram s   messaging.system, messaging.consumer.group.name,             handler runs; error.type is the failure class
 //	                                                          messaging.operation.name, error.type
+//
+// The count of a histogram is the number of events, so dedup.finish.duration
+// also serves as the counter of finishes, and the sum of
+// dedup.consumer.decisions is the number of messages processed: each
+// message costs four calls into the SDK (claim, claim latency, finish,
+// decision), the SDK's own per-call work dominating the adapter's.
 //
 // dedup.scope is bounded as in dedupprom: the first 100 distinct scopes
 // ([WithMaxScopes]) or an allowlist ([WithScopes]), every other scope

@@ -18,7 +18,8 @@ import (
 )
 
 // adapters are the cases of every benchmark, in one process and in this
-// order each time (-count rotates them): no hooks, dedupprom, dedupotel
+// order in each of rounds rounds, so that the machine's load falls on
+// every case alike (benchstat reads the #NN runs as samples): no hooks, dedupprom, dedupotel
 // on the SDK's meter (a manual reader: nothing exported during the run)
 // with tracing off (the API's no-op tracer provider), and dedupotel with an SDK tracer that
 // records every span (in memory).
@@ -28,6 +29,8 @@ type adapter struct {
 	// wrapper of the case.
 	make func(b *testing.B) (hooks []dedup.Hook, observe func(*consumer.Message, consumer.Decision), wrap func(consumer.Handler) consumer.Handler)
 }
+
+const rounds = 5
 
 var adapters = []adapter{
 	{"none", func(*testing.B) ([]dedup.Hook, func(*consumer.Message, consumer.Decision), func(consumer.Handler) consumer.Handler) {
@@ -73,31 +76,33 @@ func keys(n int) []dedup.Key {
 // BenchmarkRunner: Runner.Do of a new key on memstore (claim, handler,
 // complete): one claim and one finish event per message.
 func BenchmarkRunner(b *testing.B) {
-	for _, a := range adapters {
-		if a.name == "dedupotel+spans" {
-			continue // the Runner starts no span
-		}
-		b.Run(a.name, func(b *testing.B) {
-			hooks, _, _ := a.make(b)
-			store, err := memstore.New()
-			if err != nil {
-				b.Fatal(err)
+	for range rounds {
+		for _, a := range adapters {
+			if a.name == "dedupotel+spans" {
+				continue // the Runner starts no span
 			}
-			r, err := dedup.NewRunner(store, dedup.WithHooks(hooks...))
-			if err != nil {
-				b.Fatal(err)
-			}
-			ks := keys(b.N)
-			ctx := context.Background()
-			h := func(context.Context) ([]byte, error) { return nil, nil }
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := range b.N {
-				if _, err := r.Do(ctx, ks[i], "", h); err != nil {
+			b.Run(a.name, func(b *testing.B) {
+				hooks, _, _ := a.make(b)
+				store, err := memstore.New()
+				if err != nil {
 					b.Fatal(err)
 				}
-			}
-		})
+				r, err := dedup.NewRunner(store, dedup.WithHooks(hooks...))
+				if err != nil {
+					b.Fatal(err)
+				}
+				ks := keys(b.N)
+				ctx := context.Background()
+				h := func(context.Context) ([]byte, error) { return nil, nil }
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := range b.N {
+					if _, err := r.Do(ctx, ks[i], "", h); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
 	}
 }
 
@@ -105,34 +110,36 @@ func BenchmarkRunner(b *testing.B) {
 // a claim and a duplicate event per message, the hot path of a storm of
 // redeliveries.
 func BenchmarkRunnerDuplicate(b *testing.B) {
-	for _, a := range adapters {
-		if a.name == "dedupotel+spans" {
-			continue
-		}
-		b.Run(a.name, func(b *testing.B) {
-			hooks, _, _ := a.make(b)
-			store, err := memstore.New()
-			if err != nil {
-				b.Fatal(err)
+	for range rounds {
+		for _, a := range adapters {
+			if a.name == "dedupotel+spans" {
+				continue
 			}
-			r, err := dedup.NewRunner(store, dedup.WithHooks(hooks...))
-			if err != nil {
-				b.Fatal(err)
-			}
-			ctx := context.Background()
-			k := dedup.Key{Scope: "payments", ID: "k"}
-			h := func(context.Context) ([]byte, error) { return nil, nil }
-			if _, err := r.Do(ctx, k, "", h); err != nil {
-				b.Fatal(err)
-			}
-			b.ReportAllocs()
-			b.ResetTimer()
-			for range b.N {
-				if res, err := r.Do(ctx, k, "", h); err != nil || !res.Duplicate {
-					b.Fatal(res, err)
+			b.Run(a.name, func(b *testing.B) {
+				hooks, _, _ := a.make(b)
+				store, err := memstore.New()
+				if err != nil {
+					b.Fatal(err)
 				}
-			}
-		})
+				r, err := dedup.NewRunner(store, dedup.WithHooks(hooks...))
+				if err != nil {
+					b.Fatal(err)
+				}
+				ctx := context.Background()
+				k := dedup.Key{Scope: "payments", ID: "k"}
+				h := func(context.Context) ([]byte, error) { return nil, nil }
+				if _, err := r.Do(ctx, k, "", h); err != nil {
+					b.Fatal(err)
+				}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for range b.N {
+					if res, err := r.Do(ctx, k, "", h); err != nil || !res.Duplicate {
+						b.Fatal(res, err)
+					}
+				}
+			})
+		}
 	}
 }
 
@@ -140,38 +147,68 @@ func BenchmarkRunnerDuplicate(b *testing.B) {
 // memstore, with the adapter's runner hooks, decision observer and (for
 // dedupotel) handler wrapper.
 func BenchmarkConsumer(b *testing.B) {
-	for _, a := range adapters {
-		b.Run(a.name, func(b *testing.B) {
-			hooks, observe, wrap := a.make(b)
-			store, err := memstore.New()
-			if err != nil {
-				b.Fatal(err)
-			}
-			var h consumer.Handler = func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) { return nil, nil }
-			if wrap != nil {
-				h = wrap(h)
-			}
-			opts := []consumer.Option{consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithScope("orders"),
-				consumer.WithRunnerOptions(dedup.WithHooks(hooks...))}
-			if observe != nil {
-				opts = append(opts, consumer.WithObserver(observe))
-			}
-			p, err := consumer.New("orders", store, h, opts...)
-			if err != nil {
-				b.Fatal(err)
-			}
-			msgs := make([]consumer.Message, b.N)
-			for i := range msgs {
-				msgs[i] = consumer.Message{ID: "m-" + strconv.Itoa(i), Subject: "orders.placed", Delivery: 1}
-			}
-			ctx := context.Background()
-			b.ReportAllocs()
-			b.ResetTimer()
-			for i := range b.N {
-				if d := p.Process(ctx, &msgs[i]); d.Action != consumer.Ack {
-					b.Fatal(d)
+	for range rounds {
+		for _, a := range adapters {
+			b.Run(a.name, func(b *testing.B) {
+				hooks, observe, wrap := a.make(b)
+				store, err := memstore.New()
+				if err != nil {
+					b.Fatal(err)
 				}
-			}
-		})
+				var h consumer.Handler = func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) { return nil, nil }
+				if wrap != nil {
+					h = wrap(h)
+				}
+				opts := []consumer.Option{consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithScope("orders"),
+					consumer.WithRunnerOptions(dedup.WithHooks(hooks...))}
+				if observe != nil {
+					opts = append(opts, consumer.WithObserver(observe))
+				}
+				p, err := consumer.New("orders", store, h, opts...)
+				if err != nil {
+					b.Fatal(err)
+				}
+				msgs := make([]consumer.Message, b.N)
+				for i := range msgs {
+					msgs[i] = consumer.Message{ID: "m-" + strconv.Itoa(i), Subject: "orders.placed", Delivery: 1}
+				}
+				ctx := context.Background()
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := range b.N {
+					if d := p.Process(ctx, &msgs[i]); d.Action != consumer.Ack {
+						b.Fatal(d)
+					}
+				}
+			})
+		}
+	}
+}
+
+// BenchmarkAdapterPerMessage is the adapters' own work for one message
+// through a consumer in store mode, without the store: a claim event
+// (acquired, with a latency), a finish event (complete) and the decision
+// observer; "none" emits the same events to no hook.
+func BenchmarkAdapterPerMessage(b *testing.B) {
+	for range rounds {
+		for _, a := range adapters[:3] {
+			b.Run(a.name, func(b *testing.B) {
+				hs, observe, _ := a.make(b)
+				hooks := dedup.NewHooks(hs...)
+				ctx := context.Background()
+				k := dedup.Key{Scope: "orders", ID: "m-1"}
+				msg := &consumer.Message{ID: "m-1", Subject: "orders.placed", Delivery: 1}
+				d := consumer.Decision{Action: consumer.Ack, Key: k}
+				b.ReportAllocs()
+				b.ResetTimer()
+				for range b.N {
+					hooks.Claimed(ctx, dedup.ClaimEvent{Store: "memory", Key: k, Outcome: dedup.Acquired, Attempt: 1, Duration: 1000})
+					hooks.Finished(ctx, dedup.FinishEvent{Store: "memory", Key: k, Op: "complete", Duration: 1000})
+					if observe != nil {
+						observe(msg, d)
+					}
+				}
+			})
+		}
 	}
 }
