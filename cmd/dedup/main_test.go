@@ -39,7 +39,7 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"--store"}, []string{"--store", "needs a value"}},
 		{[]string{"--store", "memory", "--flush-every", "5"}, []string{"--flush-every", "layered"}},
 		{[]string{"--store", "layered", "--flush-every", "-1"}, []string{"--flush-every"}},
-		{[]string{"--broker", "kafka"}, []string{"--broker", "simulated", "nats", `"kafka"`}},
+		{[]string{"--broker", "pulsar"}, []string{"--broker", "simulated", "nats", "kafka", `"pulsar"`}},
 		{[]string{"--nats-url", "nats://x:1"}, []string{"--nats-url", "--broker nats"}},
 		{[]string{"--store", "memory", "--addr", "127.0.0.1:1"}, []string{"--addr", "redis"}},
 		{[]string{"--mode", "magic"}, []string{"--mode", "inbox, apply or lease"}},

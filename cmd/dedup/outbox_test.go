@@ -56,7 +56,7 @@ func TestRelayUsage(t *testing.T) {
 	for _, args := range [][]string{
 		{"relay", "--store", "redis"},
 		{"relay", "--store", "sqlite"},
-		{"relay", "--broker", "kafka"},
+		{"relay", "--broker", "pulsar"},
 		{"relay", "--policy", "drop"},
 		{"relay", "--batch", "0"},
 		{"relay", "--lease", "1ms"},

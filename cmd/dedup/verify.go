@@ -29,6 +29,7 @@ type verifyFlags struct {
 	broker  string
 	natsURL string
 	amqpURL string
+	kafka   string
 	drops   int
 	timeout time.Duration
 	json    bool
@@ -74,6 +75,12 @@ Brokers:
              after the commit; a crash closes the channel and the broker
              requeues; the TCP connection is cut every --drop-every
              deliveries, killing every channel at once.
+  kafka      an in-process kfake cluster (or a real one with --brokers):
+             one consumer group, partitions in offset order, offsets
+             committed only past acknowledged records; a crash restarts
+             a member from its committed offsets or kills it (rebalance),
+             members leave and join mid-run, and kfake loses produce
+             responses and fails offset commits.
 
 Exit status: 0 when every message was applied exactly once, 1 on any
 violation (lost, applied twice, timeout) or failure, 2 on bad usage.
@@ -90,8 +97,9 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	fs.StringVar(&f.mode, "mode", "", "inbox, apply (postgres) or lease (default: inbox for sqlite and postgres, lease for memory and redis)")
 	fs.StringVar(&f.path, "path", "", "SQLite database `file` to use and keep (default: a temporary file, removed at exit)")
 	fs.StringVar(&f.addr, "addr", "", "server `address` of a networked store: host:port, comma-separated for a Redis cluster (default: $DEDUP_REDIS_ADDR or 127.0.0.1:6379), or a PostgreSQL connection string (default: $DEDUP_POSTGRES_URL or postgres://postgres@127.0.0.1:5432/test?sslmode=disable)")
-	fs.StringVar(&f.broker, "broker", "simulated", "broker to run the pipeline over: simulated (in process), nats (a real JetStream server) or rabbitmq (a real RabbitMQ server)")
+	fs.StringVar(&f.broker, "broker", "simulated", "broker to run the pipeline over: simulated (in process), nats (a real JetStream server), rabbitmq (a real RabbitMQ server) or kafka (in process on kfake, or --brokers)")
 	fs.StringVar(&f.amqpURL, "amqp-url", "", "for --broker rabbitmq: the server `URL` (default: $DEDUP_AMQP_URL or amqp://guest:guest@127.0.0.1:5672/)")
+	fs.StringVar(&f.kafka, "brokers", "", "for --broker kafka: comma-separated seed `brokers` of a real cluster (default: an in-process kfake cluster with broker faults)")
 	fs.IntVar(&f.drops, "drop-every", 2000, "for --broker rabbitmq: cut the consumers' connection every `N` deliveries (0: never)")
 	fs.StringVar(&f.natsURL, "nats-url", "", "for --broker nats: the server `URL` (default: $DEDUP_NATS_URL or nats://127.0.0.1:4222)")
 	fs.IntVar(&f.flush, "flush-every", 0, "for --store layered: flush Redis and empty the window every `N` deliveries (0: never)")
@@ -207,8 +215,12 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 		if f.natsURL == "" {
 			f.natsURL = "nats://127.0.0.1:4222"
 		}
+	case "kafka":
+		if f.natsURL != "" {
+			return f, b, badUsage("--nats-url applies only to --broker nats")
+		}
 	default:
-		return f, b, badUsage("--broker must be simulated, nats or rabbitmq, got %q", f.broker)
+		return f, b, badUsage("--broker must be simulated, nats, rabbitmq or kafka, got %q", f.broker)
 	}
 	if err := f.cfg.Validate(); err != nil {
 		return f, b, badUsage("%v", err)
@@ -299,6 +311,14 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 	var runErr error
 	if f.broker == "nats" {
 		rep, runErr = verify.RunNATS(ctx, f.cfg, t, verify.NATSOptions{URL: f.natsURL, Keep: f.keep})
+	} else if f.broker == "kafka" {
+		var seeds []string
+		for _, s := range strings.Split(f.kafka, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				seeds = append(seeds, s)
+			}
+		}
+		rep, runErr = verify.RunKafka(ctx, f.cfg, t, verify.KafkaOptions{Brokers: seeds})
 	} else if f.broker == "rabbitmq" {
 		rep, runErr = verify.RunAMQP(ctx, f.cfg, t, verify.AMQPOptions{URL: f.amqpURL, Keep: f.keep, DropEvery: f.drops})
 	} else {
@@ -371,7 +391,9 @@ func writeSummary(w io.Writer, r *verify.Report) {
 		fmt.Fprintf(w, "  %-22s %s\n", label, fmt.Sprintf(format, args...))
 	}
 	fmt.Fprintf(w, "dedup verify: %s store, %s mode, %s broker\n", r.Store, r.Mode, r.Broker)
-	if r.Broker == "rabbitmq" {
+	if r.Broker == "kafka" {
+		fmt.Fprintf(w, "  (Kafka topic %s; the extra copies are re-sends under the same Dedup-Msg-Id on another partition)\n", r.Stream)
+	} else if r.Broker == "rabbitmq" {
 		fmt.Fprintf(w, "  (RabbitMQ queue %s; the extra copies are producer retries under the same message_id; %d connection drops)\n", r.Stream, r.ConnectionDrops)
 	} else if r.Stream != "" {
 		fmt.Fprintf(w, "  (JetStream stream %s; the extra copies are producer retries outside the broker's duplicate window)\n", r.Stream)
