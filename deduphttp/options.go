@@ -262,7 +262,8 @@ func WithMaxBody(n int64) Option {
 
 // WithMaxStoredBody sets the largest response body stored for replay. A
 // response over it is still sent to the client, but is not stored: the key
-// is released and a retry runs the handler again. Default 1 MiB.
+// is held until its lease ends (the handler ran; its outcome cannot be
+// replayed), and a retry after that runs the handler again. Default 1 MiB.
 func WithMaxStoredBody(n int) Option {
 	return optionFunc(func(c *config) { c.maxStoredBody = n })
 }
