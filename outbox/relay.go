@@ -38,6 +38,7 @@ type Relay struct {
 	stats struct {
 		published, failed, quarantined, batches, leaseLost, fetches atomic.Int64
 		held                                                        atomic.Int64
+		lag                                                         atomic.Int64
 	}
 }
 
@@ -49,7 +50,12 @@ type Stats struct {
 	Batches     int64 // batches published
 	LeaseLost   int64 // marks refused because a lease was taken over
 	Fetches     int64 // reads of a partition, empty ones included
-	Partitions  int   // partitions held now
+	// Lag is the commit-to-publish latency of the last batch marked: the
+	// time from its oldest message's insert (the store's clock) to the
+	// mark (this host's clock). A long-open producer transaction shows
+	// here as a jump when its rows finally go out.
+	Lag        time.Duration
+	Partitions int // partitions held now
 }
 
 // NewRelay returns a relay of src through pub. Bad arguments are an
@@ -90,7 +96,7 @@ func (r *Relay) ID() string { return r.cfg.id }
 func (r *Relay) Stats() Stats {
 	return Stats{
 		Published: r.stats.published.Load(), Failed: r.stats.failed.Load(), Quarantined: r.stats.quarantined.Load(),
-		Batches: r.stats.batches.Load(), Fetches: r.stats.fetches.Load(), LeaseLost: r.stats.leaseLost.Load(), Partitions: int(r.stats.held.Load()),
+		Batches: r.stats.batches.Load(), Fetches: r.stats.fetches.Load(), Lag: time.Duration(r.stats.lag.Load()), LeaseLost: r.stats.leaseLost.Load(), Partitions: int(r.stats.held.Load()),
 	}
 }
 
@@ -441,6 +447,15 @@ func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []er
 		return false, true, nil
 	}
 	r.stats.published.Add(int64(len(seqs)))
+	if len(acked) > 0 {
+		oldest := acked[0].CreatedAt
+		for _, m := range acked[1:] {
+			if m.CreatedAt.Before(oldest) {
+				oldest = m.CreatedAt
+			}
+		}
+		r.stats.lag.Store(int64(time.Since(oldest)))
+	}
 	if err := r.src.Fail(mctx, l, failures); err != nil {
 		if errors.Is(err, ErrLeaseLost) {
 			return true, false, nil

@@ -205,8 +205,8 @@ func runRelay(args []string, stdout, stderr io.Writer) int {
 				case <-t.C:
 					st := rl.Stats()
 					prev := lastPublished.Swap(st.Published)
-					fmt.Fprintf(stderr, "relay %s: %d published (%.0f/s), %d failed, %d quarantined, %d partitions held\n",
-						rl.ID(), st.Published, float64(st.Published-prev)/f.progress.Seconds(), st.Failed, st.Quarantined, st.Partitions)
+					fmt.Fprintf(stderr, "relay %s: %d published (%.0f/s), last lag %v, %d failed, %d quarantined, %d partitions held\n",
+						rl.ID(), st.Published, float64(st.Published-prev)/f.progress.Seconds(), st.Lag.Round(time.Millisecond), st.Failed, st.Quarantined, st.Partitions)
 				}
 			}
 		}()
