@@ -76,6 +76,32 @@ func NewDLQ(ctx context.Context, brokers []string, topic string, opts ...kgo.Opt
 	return q, nil
 }
 
+// OpenDLQ returns the store over an existing topic (for reading and
+// replaying, as `dedup dlq` does): a missing topic is an error, never
+// created.
+func OpenDLQ(ctx context.Context, brokers []string, topic string, opts ...kgo.Opt) (*DLQ, error) {
+	if !validTopic(topic) {
+		return nil, bad("dead-letter topic", strconv.Quote(topic)+" is not a topic name")
+	}
+	pub, err := NewPublisher(brokers, WithProducerOptions(opts...))
+	if err != nil {
+		return nil, err
+	}
+	q := &DLQ{topic: topic, brokers: slices.Clone(brokers), kopts: slices.Clone(opts), pub: pub, adm: kadm.NewClient(pub.cl)}
+	tds, err := q.adm.ListTopics(ctx, topic)
+	if err == nil {
+		err = tds.Error()
+	}
+	if err == nil && !tds.Has(topic) {
+		err = kerr.UnknownTopicOrPartition
+	}
+	if err != nil {
+		pub.Close()
+		return nil, fmt.Errorf("dedupkafka: open dead-letter topic %s: %w", topic, err)
+	}
+	return q, nil
+}
+
 // Topic returns the dead-letter topic.
 func (q *DLQ) Topic() string { return q.topic }
 

@@ -111,6 +111,8 @@ func runDLQ(args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	} else if broker == "rabbitmq" {
 		return runDLQAMQP(sub, rest, stdout, stderr)
+	} else if broker == "kafka" {
+		return runDLQKafka(sub, rest, stdout, stderr)
 	} else {
 		args = append(args[:1:1], rest...)
 	}

@@ -34,15 +34,15 @@ func splitBroker(args []string) ([]string, string, error) {
 		}
 		if !hasVal {
 			if i+1 == len(args) {
-				return nil, "", badUsage("flag --broker needs a value: nats or rabbitmq")
+				return nil, "", badUsage("flag --broker needs a value: nats, rabbitmq or kafka")
 			}
 			i++
 			val = args[i]
 		}
 		broker = val
 	}
-	if broker != "nats" && broker != "rabbitmq" {
-		return nil, "", badUsage("--broker must be nats or rabbitmq, got %q", broker)
+	if broker != "nats" && broker != "rabbitmq" && broker != "kafka" {
+		return nil, "", badUsage("--broker must be nats, rabbitmq or kafka, got %q", broker)
 	}
 	return out, broker, nil
 }

@@ -121,7 +121,7 @@ func TestDLQAMQPListInspectReplay(t *testing.T) {
 
 func TestDLQAMQPBadUsage(t *testing.T) {
 	for _, args := range [][]string{
-		{"dlq", "list", "--broker", "kafka"},
+		{"dlq", "list", "--broker", "pulsar"},
 		{"dlq", "list", "--broker"},
 		{"dlq", "inspect", "--broker", "rabbitmq"},
 		{"dlq", "replay", "--broker", "rabbitmq", "--rate", "0"},
