@@ -289,4 +289,3 @@ func dlqKafkaReplay(ctx context.Context, f *dlqKafkaFlags, q consumer.DeadLetter
 	}
 	return exitOK
 }
-
