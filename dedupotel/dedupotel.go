@@ -238,7 +238,7 @@ func New(opts ...Option) (*Telemetry, error) {
 }
 
 func (t *Telemetry) scope(store, scope string) *scopeSets {
-	return t.byScope.Get(scopelabel.Pair{A: store, B: t.scopes.Label(scope)})
+	return t.byScope.Scoped(store, scope, t.scopes)
 }
 
 // OnClaim implements [dedup.ClaimHook]: dedup.claims and
@@ -321,7 +321,7 @@ func (t *Telemetry) Observer(group string) func(*consumer.Message, consumer.Deci
 			a = 4
 		}
 		ctx := context.Background()
-		s := t.byMessage.Get(scopelabel.Pair{A: group, B: t.scopes.Label(d.Key.Scope)})
+		s := t.byMessage.Scoped(group, d.Key.Scope, t.scopes)
 		if a >= 0 {
 			t.decisions.Add(ctx, 1, s.action[a]...)
 		}
@@ -349,7 +349,7 @@ func (t *Telemetry) Handler(group string, h consumer.Handler) consumer.Handler {
 		}
 		start := time.Now()
 		out, err := h(ctx, m, d)
-		s := t.byMessage.Get(scopelabel.Pair{A: group, B: t.scopes.Label(d.Key.Scope)})
+		s := t.byMessage.Scoped(group, d.Key.Scope, t.scopes)
 		idx := 0
 		if err != nil {
 			c := consumer.ClassOf(err)

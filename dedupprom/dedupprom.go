@@ -99,8 +99,9 @@ func WithConstLabels(l prometheus.Labels) Option {
 // consumer's observer. Register it once (prometheus.Registerer.Register)
 // and pass it to every part: dedup.WithHooks(m), layered.WithHooks(m),
 // consumer.WithObserver(m.Observer("orders")). It is safe for concurrent
-// use; an event costs two map lookups and atomic adds, and no allocation
-// once its series exist.
+// use; an event costs one map lookup (two for a scope past the cap or
+// with a rewrite) and atomic adds, and no allocation once its series
+// exist.
 type Metrics struct {
 	namespace string
 	constant  prometheus.Labels
@@ -124,6 +125,7 @@ type Metrics struct {
 type scopeSeries struct {
 	claims              [5]prometheus.Counter // by Outcome; [0] = error
 	duplicate, takeover prometheus.Counter
+	claimSeconds        prometheus.Observer // the store's
 }
 
 // storeSeries are the series of one store (no scope: histograms and
@@ -189,7 +191,8 @@ func New(opts ...Option) (*Metrics, error) {
 	m.collectors = []prometheus.Collector{m.claims, m.duplicates, m.takeovers, m.finishes, m.storeErrors,
 		m.claimSeconds, m.finishSeconds, m.decisions, m.failures, m.redeliveries, m.httpRequests, m.httpSeconds}
 	m.byScope = scopelabel.NewCache(func(p scopelabel.Pair) *scopeSeries {
-		s := &scopeSeries{duplicate: m.duplicates.WithLabelValues(p.A, p.B), takeover: m.takeovers.WithLabelValues(p.A, p.B)}
+		s := &scopeSeries{duplicate: m.duplicates.WithLabelValues(p.A, p.B), takeover: m.takeovers.WithLabelValues(p.A, p.B),
+			claimSeconds: m.claimSeconds.WithLabelValues(p.A)}
 		s.claims[0] = m.claims.WithLabelValues(p.A, p.B, "error")
 		for o := dedup.Acquired; o <= dedup.Mismatch; o++ {
 			s.claims[o] = m.claims.WithLabelValues(p.A, p.B, o.String())
@@ -241,7 +244,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 func (m *Metrics) ScopeLabel(scope string) string { return m.scopes.Label(scope) }
 
 func (m *Metrics) scope(store, scope string) *scopeSeries {
-	return m.byScope.Get(scopelabel.Pair{A: store, B: m.scopes.Label(scope)})
+	return m.byScope.Scoped(store, scope, m.scopes)
 }
 
 // OnClaim implements [dedup.ClaimHook]: claims_total and
@@ -254,7 +257,7 @@ func (m *Metrics) OnClaim(_ context.Context, e dedup.ClaimEvent) {
 	}
 	s.claims[o].Inc()
 	if e.Duration > 0 {
-		m.byStore.Get(scopelabel.Pair{A: e.Store}).claimSeconds.Observe(e.Duration.Seconds())
+		s.claimSeconds.Observe(e.Duration.Seconds())
 	}
 }
 
@@ -331,7 +334,7 @@ func (m *Metrics) observe(g *groupSeries, name string, msg *consumer.Message, d 
 		a = 4
 	}
 	if a >= 0 {
-		m.byMessage.Get(scopelabel.Pair{A: name, B: m.scopes.Label(d.Key.Scope)}).action[a].Inc()
+		m.byMessage.Scoped(name, d.Key.Scope, m.scopes).action[a].Inc()
 	}
 	if a >= 2 && int(d.Class) < len(g.class) {
 		g.class[d.Class].Inc()

@@ -75,7 +75,8 @@
 //
 // # Cost
 //
-// An event costs two map lookups (the scope label and its pre-resolved
-// series) and atomic adds: no lock and no allocation once the series
-// exist. See docs/benchmarks.md.
+// An event costs one map lookup (a scope with a label of its own is found
+// under its raw value with its pre-resolved series; a scope past the cap
+// or with a rewrite takes a second) and atomic adds: no lock and no
+// allocation once the series exist. See docs/benchmarks.md.
 package dedupprom

@@ -126,3 +126,15 @@ func (c *Cache[V]) Get(p Pair) *V {
 	c.m.Store(&m)
 	return v
 }
+
+// Scoped returns the entry of (a, the label of scope). A scope that has a
+// label of its own is its own label, so without a rewrite it is found in
+// one lookup under its raw value; otherwise the label is resolved first.
+func (c *Cache[V]) Scoped(a, scope string, l *Limiter) *V {
+	if l.mapFn == nil {
+		if v, ok := (*c.m.Load())[Pair{A: a, B: scope}]; ok {
+			return v
+		}
+	}
+	return c.Get(Pair{A: a, B: l.Label(scope)})
+}
