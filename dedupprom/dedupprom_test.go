@@ -192,6 +192,36 @@ func lint(g prometheus.Gatherer) error {
 	return nil
 }
 
+// TestLeaseLost: a handler outlives its lease and another owner takes
+// the key over; the Runner's completion is refused and counted as
+// lease_lost.
+func TestLeaseLost(t *testing.T) {
+	m, _ := newMetrics(t)
+	clock := storetest.NewClock()
+	store, err := memstore.New(memstore.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := dedup.NewRunner(store, dedup.WithName("memory"), dedup.WithHooks(m), dedup.WithLease(time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	key := dedup.Key{Scope: "payments", ID: "slow"}
+	_, err = r.Do(ctx, key, "", func(ctx context.Context) ([]byte, error) {
+		clock.Advance(2 * time.Minute)
+		if c, err := store.Claim(ctx, key, "", time.Minute); err != nil || !c.TakenOver {
+			t.Errorf("take-over: %+v %v", c, err)
+		}
+		return []byte("ok"), nil
+	})
+	if !errors.Is(err, dedup.ErrLeaseLost) {
+		t.Fatalf("Do: %v, want ErrLeaseLost", err)
+	}
+	value(t, dedupprom.Collectors(m).Finishes, 1, "memory", "complete", "lease_lost")
+	value(t, dedupprom.Collectors(m).Finishes, 0, "memory", "complete", "ok")
+}
+
 type sink struct {
 	mu  sync.Mutex
 	got []consumer.DeadLetter
