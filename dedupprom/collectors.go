@@ -136,7 +136,7 @@ func (m *Metrics) RelayCollector(name string, stats func() outbox.Stats, backlog
 
 // BrokerStats are a broker adapter's counts, in a broker-neutral form, so
 // that this package imports no broker client. Map an adapter's Stats into
-// it (see the package example for dedupnats).
+// it (see the BrokerCollector example for dedupnats).
 type BrokerStats struct {
 	Fetched     uint64 // messages received
 	Acked       uint64 // acknowledged (applied, duplicate, rejected)

@@ -7,8 +7,10 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/dedupnats"
 	"github.com/dedupkit/dedup/dedupprom"
 	"github.com/dedupkit/dedup/memstore"
+	"github.com/dedupkit/dedup/pgstore"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
@@ -53,4 +55,28 @@ func Example() {
 	n, err := testutil.GatherAndCount(reg, "dedup_duplicates_total", "dedup_consumer_decisions_total")
 	fmt.Println(n, err)
 	// Output: 6 <nil>
+}
+
+// Parts that keep their own counters are read at each scrape: map a broker
+// adapter's Stats into BrokerStats, a sweeper's into SweepStats.
+func ExampleMetrics_BrokerCollector() {
+	m, err := dedupprom.New()
+	if err != nil {
+		panic(err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(m)
+
+	var c *dedupnats.Consumer // from dedupnats.NewConsumer
+	reg.MustRegister(m.BrokerCollector("nats", "billing", func() dedupprom.BrokerStats {
+		s := c.Stats()
+		return dedupprom.BrokerStats{Fetched: s.Fetched, Acked: s.Acked, Nacked: s.Naked,
+			DeadLetters: s.Terminated, AckErrors: s.AckErrors, Lag: -1}
+	}))
+
+	var job *pgstore.SweepJob // from pgstore.Store's sweeper
+	reg.MustRegister(m.SweepCollector("postgres", func() dedupprom.SweepStats {
+		total, passes, lastErr := job.Stats()
+		return dedupprom.SweepStats{Deleted: int64(total.Deleted), Passes: passes, Failed: lastErr != nil}
+	}))
 }
