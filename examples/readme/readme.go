@@ -20,6 +20,7 @@ import (
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/dedupamqp"
 	"github.com/dedupkit/dedup/deduphttp"
+	"github.com/dedupkit/dedup/dedupkafka"
 	"github.com/dedupkit/dedup/dedupnats"
 	"github.com/dedupkit/dedup/dedupwatermill"
 	"github.com/dedupkit/dedup/outbox"
@@ -124,6 +125,19 @@ func rabbitConsumer(ctx context.Context, url string, store dedup.Store, handle c
 	err := c.Run(ctx)
 
 	pub, _ := dedupamqp.NewPublisher(url) // confirm mode, mandatory, persistent
+	err = pub.Publish(ctx, "orders", &consumer.Message{ID: "order-42/charge", Payload: body})
+	return err
+}
+
+// kafkaConsumer is the README's Kafka section.
+func kafkaConsumer(ctx context.Context, store dedup.Store, handle consumer.Handler, body []byte) error {
+	seeds := []string{"127.0.0.1:9092"}
+	dlq, _ := dedupkafka.NewDLQ(ctx, seeds, "orders.dlq")
+	p, _ := consumer.New("billing", store, handle, consumer.WithDeadLetter(dlq))
+	c, _ := dedupkafka.NewConsumer(seeds, "billing", []string{"orders"}, p, dedupkafka.WithConcurrency(8))
+	err := c.Run(ctx)
+
+	pub, _ := dedupkafka.NewPublisher(seeds) // idempotent, acks=all
 	err = pub.Publish(ctx, "orders", &consumer.Message{ID: "order-42/charge", Payload: body})
 	return err
 }
