@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/dedupkit/dedup"
@@ -118,12 +119,13 @@ type Telemetry struct {
 	scopes *scopelabel.Limiter
 
 	claims, duplicates, takeovers, storeErrors     metric.Int64Counter
-	decisions                                      metric.Int64Counter
+	decisions, httpRequests                        metric.Int64Counter
 	claimDuration, finishDuration, processDuration metric.Float64Histogram
 
 	byScope   *scopelabel.Cache[scopeSets]
 	byStore   *scopelabel.Cache[storeSets]
 	byMessage *scopelabel.Cache[decisionSets]
+	byHTTP    *scopelabel.Cache[httpSets]
 }
 
 // Pre-built attribute options: an event allocates nothing to describe
@@ -192,6 +194,7 @@ func New(opts ...Option) (*Telemetry, error) {
 	t.takeovers = counter("dedup.takeovers", "{claim}", "Expired leases taken over.")
 	t.storeErrors = counter("dedup.store.errors", "{error}", "Failed store calls (fail closed).")
 	t.decisions = counter("dedup.consumer.decisions", "{message}", "Consumer decisions by action.")
+	t.httpRequests = counter("dedup.http.requests", "{request}", "Keyed HTTP requests by route, class and status code.")
 	t.claimDuration = hist("dedup.claim.duration", "Store latency of a claim.")
 	t.finishDuration = hist("dedup.finish.duration", "Ends of claims (complete, release, keep) by result, with the store latency.")
 	t.processDuration = hist("messaging.process.duration", "Duration of a handler run on a message.")
@@ -233,6 +236,11 @@ func New(opts ...Option) (*Telemetry, error) {
 			s.process[c+1] = []metric.RecordOption{set(sys, group, AttrOperationName.String("process"), AttrErrorType.String(consumer.Class(c).String()))}
 		}
 		return s
+	})
+	t.byHTTP = scopelabel.NewCache(func(p scopelabel.Pair) *httpSets {
+		class, code, _ := strings.Cut(p.B, " ")
+		n, _ := strconv.Atoi(code)
+		return &httpSets{add: []metric.AddOption{set(AttrHTTPRoute.String(p.A), AttrHTTPClass.String(class), AttrHTTPStatus.Int(n))}}
 	})
 	return t, nil
 }

@@ -5,13 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/deduphttp"
 	"github.com/dedupkit/dedup/dedupnats"
 	"github.com/dedupkit/dedup/dedupotel"
 	"github.com/dedupkit/dedup/internal/testenv"
@@ -377,5 +381,62 @@ func TestOptionErrors(t *testing.T) {
 		if _, err := dedupotel.New(opt); !errors.Is(err, dedup.ErrInvalidArgument) {
 			t.Errorf("%s: %v", name, err)
 		}
+	}
+}
+
+// TestHTTP: a keyed request stored, replayed and reused with another
+// payload (422) under an instrumentation span around the middleware; the
+// 422 shows on the request's own span and every request is counted.
+func TestHTTP(t *testing.T) {
+	r := newRig(t)
+	store, err := memstore.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := deduphttp.New(store, deduphttp.WithSingleTenant(), deduphttp.WithOnDone(r.tel.HTTPObserver("POST /charges")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	inner := mw.Required(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(201) }))
+	tracer := r.tp.Tracer("server")
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		ctx, sp := tracer.Start(req.Context(), "POST /charges", trace.WithSpanKind(trace.SpanKindServer))
+		defer sp.End()
+		inner.ServeHTTP(w, req.WithContext(ctx))
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		body string
+		want int
+	}{{"a", 201}, {"a", 201}, {"b", 422}} {
+		req, _ := http.NewRequest("POST", srv.URL+"/charges", strings.NewReader(c.body))
+		req.Header.Set("Idempotency-Key", "k1")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.want {
+			t.Fatalf("%s: %d, want %d", c.body, resp.StatusCode, c.want)
+		}
+	}
+	srv.Close()
+	var classes []string
+	for _, s := range r.spans.GetSpans() {
+		if s.Name == "POST /charges" {
+			classes = append(classes, attr(s, dedupotel.AttrHTTPClass).AsString())
+		}
+	}
+	if strings.Join(classes, ",") != "stored,replayed,key_reused" {
+		t.Errorf("span classes %v", classes)
+	}
+	route := dedupotel.AttrHTTPRoute.String("POST /charges")
+	for class, want := range map[string]int64{"stored": 1, "replayed": 1, "key_reused": 1} {
+		if got := r.sum(t, "dedup.http.requests", route, dedupotel.AttrHTTPClass.String(class)); got != want {
+			t.Errorf("%s: %d", class, got)
+		}
+	}
+	if got := r.sum(t, "dedup.http.requests", route, dedupotel.AttrHTTPStatus.Int(422)); got != 1 {
+		t.Errorf("422: %d", got)
 	}
 }

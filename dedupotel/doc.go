@@ -21,6 +21,7 @@
 //	dedup.finish.duration                Float64Histogram s   dedup.store, dedup.operation, dedup.result                   ends of claims (complete, release, keep; ok, lease_lost, error): the count counts them, the values are store latency
 //	dedup.consumer.decisions             Int64Counter         messaging.system, messaging.consumer.group.name,             applied, duplicate, retry, dead_lettered, rejected
 //	                                                          dedup.scope, dedup.action
+//	dedup.http.requests                  Int64Counter         http.route, dedup.http.class, http.response.status_code      keyed HTTP requests by what the middleware did
 //	messaging.process.duration           Float64Histogram s   messaging.system, messaging.consumer.group.name,             handler runs; error.type is the failure class
 //	                                                          messaging.operation.name, error.type
 //
@@ -59,7 +60,9 @@
 //     "process <subject>" span in the same trace, linked to the producer,
 //     with dedup.duplicate=true and dedup.handler_ran=false.
 //
-// The package does not start spans for HTTP requests: use otelhttp around
-// the deduphttp middleware; its outcome is in the request's metrics (see
-// dedupprom.Metrics.HTTPObserver for the Prometheus side).
+// For HTTP, the request's span is the server span of the instrumentation
+// around the middleware (otelhttp or another): [Telemetry.HTTPObserver],
+// given to deduphttp.WithOnDone, sets dedup.http.class on it (stored,
+// replayed, in_progress, key_reused, ...) with a "dedup.http" event, and
+// counts dedup.http.requests.
 package dedupotel
