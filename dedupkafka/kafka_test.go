@@ -108,8 +108,10 @@ func TestCrashBeforeStoreCommit(t *testing.T) {
 }
 
 // Two consumers in one group, the second joining mid-run and the first
-// leaving: no record lost, none applied twice, and no offset ever
-// committed past unfinished work.
+// leaving, with transient failures holding partitions when they are
+// revoked: no record lost, none applied twice, and no commit ever past a
+// record whose decision was not final (checked at every commit of both
+// consumers).
 func TestRebalanceMidRun(t *testing.T) {
 	_, seeds := cluster(t, 6, "orders")
 	const n = 3000
@@ -118,14 +120,50 @@ func TestRebalanceMidRun(t *testing.T) {
 	defer store.Close()
 	eff := newEffects()
 	var seen atomic.Int64
-	slow := func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+	var mu sync.Mutex
+	final := map[string]bool{} // "topic/partition/offset" decided for good
+	fails := map[string]int{}
+	flaky := func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
 		seen.Add(1)
+		i, _ := strconv.Atoi(m.ID[1:])
+		mu.Lock()
+		defer mu.Unlock()
+		if i%50 == 0 && fails[m.ID] < 3 {
+			fails[m.ID]++
+			return nil, consumer.Transient(errors.New("busy"))
+		}
 		return nil, nil
 	}
-	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, slow), WithMaxPollRecords(50))
+	observe := consumer.WithObserver(func(m *consumer.Message, d consumer.Decision) {
+		if d.Action != consumer.Retry {
+			mu.Lock()
+			final[m.Headers[HeaderKafkaSource]] = true
+			mu.Unlock()
+		}
+	})
+	var violations atomic.Int64
+	var checked atomic.Int64
+	check := func(offs map[string]map[int32]kgo.EpochOffset) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for topic, ps := range offs {
+			for p, o := range ps {
+				checked.Add(1)
+				for off := int64(0); off < o.Offset; off++ {
+					if !final[fmt.Sprintf("%s/%d/%d", topic, p, off)] {
+						violations.Add(1)
+					}
+				}
+			}
+		}
+		return false // observe only
+	}
+	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, flaky, observe), WithMaxPollRecords(50))
+	c1.cfg.crash = check
 	stop1 := run(t, c1)
 	waitFor(t, "first records", func() bool { return seen.Load() > 200 })
-	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, slow), WithMaxPollRecords(50))
+	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, flaky, observe), WithMaxPollRecords(50))
+	c2.cfg.crash = check
 	stop2 := run(t, c2)
 	waitFor(t, "the second consumer to get partitions", func() bool { return c2.Stats().Records > 0 })
 	stop1()
@@ -135,6 +173,9 @@ func TestRebalanceMidRun(t *testing.T) {
 	s1, s2 := c1.Stats(), c2.Stats()
 	if s1.Revoked == 0 {
 		t.Errorf("the first consumer saw no revocation: %+v", s1)
+	}
+	if violations.Load() != 0 || checked.Load() == 0 {
+		t.Errorf("%d commits checked, %d offsets committed past a record not final", checked.Load(), violations.Load())
 	}
 	t.Logf("c1 %+v\nc2 %+v", s1, s2)
 }
