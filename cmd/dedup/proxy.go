@@ -446,7 +446,13 @@ func serveProxy(ctx context.Context, args []string, stdout, stderr io.Writer, re
 			fmt.Fprintf(stderr, "dedup proxy: close the %s store: %v\n", f.store, err)
 		}
 	}()
+	reg, observe, err := proxyMetrics()
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup proxy: metrics: %v\n", err)
+		return exitFail
+	}
 	h, err := newProxyHandler(&f, store, log, func(r *http.Request, e deduphttp.Event) {
+		observe(r, e)
 		log.Info("request", "method", r.Method, "path", r.URL.Path, "tenant", e.Tenant, "key_hash", e.KeyHash,
 			"outcome", string(e.Class), "status", e.Status, "duration_ms", float64(e.Duration.Microseconds())/1000)
 	})
@@ -464,7 +470,7 @@ func serveProxy(ctx context.Context, args []string, stdout, stderr io.Writer, re
 	var admin *proxyAdmin
 	readyAddr := ln.Addr().String()
 	if f.adminListen != "" {
-		admin, err = startProxyAdmin(f.adminListen, store, log)
+		admin, err = startProxyAdmin(f.adminListen, store, log, reg)
 		if err != nil {
 			ln.Close()
 			fmt.Fprintf(stderr, "dedup proxy: listen on %s: %v\n", f.adminListen, err)

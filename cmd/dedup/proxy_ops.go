@@ -10,7 +10,11 @@ import (
 	"time"
 
 	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/deduphttp"
+	"github.com/dedupkit/dedup/dedupprom"
 	"github.com/dedupkit/dedup/memstore"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
 // openProxyStore opens the store the flags name; the memory store has a
@@ -34,12 +38,13 @@ type proxyAdmin struct {
 // readyTimeout bounds one /readyz probe of the store.
 const readyTimeout = 2 * time.Second
 
-func startProxyAdmin(addr string, store dedup.Store, log *slog.Logger) (*proxyAdmin, error) {
+func startProxyAdmin(addr string, store dedup.Store, log *slog.Logger, metrics prometheus.Gatherer) (*proxyAdmin, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
 	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", dedupprom.Handler(metrics))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Write([]byte("ok\n"))
@@ -129,4 +134,20 @@ func startProxySweeper(sw dedup.Sweeper, interval time.Duration, log *slog.Logge
 		cancel()
 		wg.Wait()
 	}
+}
+
+// proxyMetrics returns the registry the admin listener serves on /metrics
+// (dedupprom's metrics, with the Go runtime's and the process's) and the
+// observer that counts each keyed request by outcome class and status.
+func proxyMetrics() (*prometheus.Registry, func(*http.Request, deduphttp.Event), error) {
+	m, err := dedupprom.New()
+	if err != nil {
+		return nil, nil, err
+	}
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(m); err != nil {
+		return nil, nil, err
+	}
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg, m.HTTPObserver("proxy"), nil
 }

@@ -397,6 +397,19 @@ func TestProxyAdminLogAndEnv(t *testing.T) {
 	if strings.Contains(logs, "secret-key-123") || !strings.Contains(logs, `"key_hash":"`+keyHashForTest("secret-key-123")+`"`) || !strings.Contains(logs, `"outcome":"stored"`) {
 		t.Errorf("request log line: %s", logs)
 	}
+	send(t, "POST", "http://"+f[0]+"/pay", "secret-key-123", "p") // a replay
+	resp, err := http.Get("http://" + f[1] + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{`dedup_http_requests_total{class="stored",code="201",handler="proxy"} 1`,
+		`dedup_http_requests_total{class="replayed",code="201",handler="proxy"} 1`, "go_goroutines"} {
+		if !strings.Contains(string(metrics), want) {
+			t.Errorf("/metrics on the admin listener lacks %s:\n%s", want, metrics)
+		}
+	}
 	t.Setenv("DEDUP_PROXY_LEASE", "soon")
 	if code, _, stderr := runArgs(t, "proxy", "--upstream", "http://x"); code != exitUsage || !strings.Contains(stderr, "DEDUP_PROXY_LEASE") {
 		t.Errorf("bad env value: exit %d %q", code, stderr)
