@@ -9,15 +9,17 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
-	"sync/atomic"
 	"syscall"
 	"time"
 
 	"github.com/dedupkit/dedup/dedupnats"
+	"github.com/dedupkit/dedup/dedupprom"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/sqlitestore"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
 const relayAbout = `Usage: dedup relay [flags]
@@ -38,25 +40,26 @@ Flags:
 `
 
 type relayFlags struct {
-	pg         pgFlags
-	store      string
-	sqlitePath string
-	broker     string
-	natsURL    string
-	amqp       relayAMQPFlags
-	kafka      relayKafkaFlags
-	stream     string
-	parts      int
-	batch      int
-	lease      time.Duration
-	poll       time.Duration
-	pollOnly   bool
-	attempts   int
-	policy     string
-	retention  time.Duration
-	id         string
-	progress   time.Duration
-	ackWait    time.Duration
+	pg            pgFlags
+	store         string
+	sqlitePath    string
+	broker        string
+	natsURL       string
+	amqp          relayAMQPFlags
+	kafka         relayKafkaFlags
+	stream        string
+	parts         int
+	batch         int
+	lease         time.Duration
+	poll          time.Duration
+	pollOnly      bool
+	attempts      int
+	policy        string
+	retention     time.Duration
+	id            string
+	progress      time.Duration
+	ackWait       time.Duration
+	metricsListen string
 }
 
 func newRelayFlagSet(f *relayFlags) *flag.FlagSet {
@@ -83,6 +86,7 @@ func newRelayFlagSet(f *relayFlags) *flag.FlagSet {
 	fs.StringVar(&f.id, "id", "", "this relay's `name` in the lease table (default: host-pid-random)")
 	fs.DurationVar(&f.progress, "progress", 5*time.Second, "print progress this often (0: never)")
 	fs.DurationVar(&f.ackWait, "ack-wait", 30*time.Second, "wait at most this long for a batch's acknowledgements")
+	fs.StringVar(&f.metricsListen, "metrics-listen", "", "serve Prometheus metrics on this `address`'s /metrics (e.g. 127.0.0.1:9464; default: none)")
 	return fs
 }
 
@@ -185,34 +189,54 @@ func runRelay(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "dedup relay: %v\n", err)
 		return exitFail
 	}
+	return runRelayLoop(ctx, &f, src, pub, "NATS "+natsURLOf(f.natsURL), stdout, stderr)
+}
+
+// runRelayLoop runs the relay from src through pub (described as dest)
+// until ctx ends, printing progress every --progress and, with
+// --metrics-listen, serving its metrics on /metrics; every broker's
+// `dedup relay` ends here.
+func runRelayLoop(ctx context.Context, f *relayFlags, src outbox.Source, pub outbox.Publisher, dest string, stdout, stderr io.Writer) int {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	var lastPublished atomic.Int64
 	rl, err := outbox.NewRelay(src, pub, f.options(log)...)
 	if err != nil {
 		fmt.Fprintf(stderr, "dedup relay: %v\n", err)
 		return exitFail
 	}
-	fmt.Fprintf(stderr, "dedup relay %s: %s outbox -> NATS %s, %d partitions\n", rl.ID(), f.store, natsURLOf(f.natsURL), f.parts)
-	done := make(chan struct{})
-	if f.progress > 0 {
-		go func() {
-			t := time.NewTicker(f.progress)
-			defer t.Stop()
-			for {
-				select {
-				case <-done:
-					return
-				case <-t.C:
-					st := rl.Stats()
-					prev := lastPublished.Swap(st.Published)
-					fmt.Fprintf(stderr, "relay %s: %d published (%.0f/s), last lag %v, %d failed, %d quarantined, %d partitions held\n",
-						rl.ID(), st.Published, float64(st.Published-prev)/f.progress.Seconds(), st.Lag.Round(time.Millisecond), st.Failed, st.Quarantined, st.Partitions)
-				}
-			}
-		}()
+	if f.metricsListen != "" {
+		srv, err := relayMetrics(f.metricsListen, rl)
+		if err != nil {
+			fmt.Fprintf(stderr, "dedup relay: metrics: %v\n", err)
+			return exitFail
+		}
+		defer srv.Close()
+		fmt.Fprintf(stderr, "dedup relay %s: metrics on http://%s/metrics\n", rl.ID(), srv.Addr())
 	}
+	fmt.Fprintf(stderr, "dedup relay %s: %s outbox -> %s, %d partitions\n", rl.ID(), f.store, dest, f.parts)
+	done, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		if f.progress <= 0 {
+			return
+		}
+		t := time.NewTicker(f.progress)
+		defer t.Stop()
+		var last int64
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				st := rl.Stats()
+				fmt.Fprintf(stderr, "relay %s: %d published (%.0f/s), last lag %v, %d failed, %d quarantined, %d partitions held\n",
+					rl.ID(), st.Published, float64(st.Published-last)/f.progress.Seconds(), st.Lag.Round(time.Millisecond), st.Failed, st.Quarantined, st.Partitions)
+				last = st.Published
+			}
+		}
+	}()
 	err = rl.Run(ctx)
 	close(done)
+	<-stopped
 	st := rl.Stats()
 	fmt.Fprintf(stdout, "relay %s stopped: %d published, %d failed, %d quarantined, %d batches\n", rl.ID(), st.Published, st.Failed, st.Quarantined, st.Batches)
 	if err != nil {
@@ -220,6 +244,21 @@ func runRelay(args []string, stdout, stderr io.Writer) int {
 		return exitFail
 	}
 	return exitOK
+}
+
+// relayMetrics serves the relay's counters (dedupprom's relay collector,
+// with the Go runtime's and the process's) on addr's /metrics.
+func relayMetrics(addr string, rl *outbox.Relay) (*dedupprom.Server, error) {
+	m, err := dedupprom.New()
+	if err != nil {
+		return nil, err
+	}
+	reg := prometheus.NewRegistry()
+	if err := reg.Register(m.RelayCollector(rl.ID(), rl.Stats, nil)); err != nil {
+		return nil, err
+	}
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return dedupprom.Listen(addr, reg)
 }
 
 // openOutboxSource opens the store --store names and returns its outbox.

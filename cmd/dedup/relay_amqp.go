@@ -5,9 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
-	"time"
+	"strconv"
 
 	"github.com/dedupkit/dedup/dedupamqp"
 	"github.com/dedupkit/dedup/outbox"
@@ -45,43 +44,5 @@ func runRelayAMQP(ctx context.Context, f *relayFlags, src outbox.Source, stdout,
 		return exitUsage
 	}
 	defer pub.Close()
-	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	rl, err := outbox.NewRelay(src, pub.Outbox(f.ackWait), f.options(log)...)
-	if err != nil {
-		fmt.Fprintf(stderr, "dedup relay: %v\n", err)
-		return exitFail
-	}
-	fmt.Fprintf(stderr, "dedup relay %s: %s outbox -> RabbitMQ %s exchange %q, %d partitions\n", rl.ID(), f.store, url, f.amqp.exchange, f.parts)
-	done := make(chan struct{})
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		if f.progress <= 0 {
-			return
-		}
-		t := time.NewTicker(f.progress)
-		defer t.Stop()
-		var last int64
-		for {
-			select {
-			case <-done:
-				return
-			case <-t.C:
-				st := rl.Stats()
-				fmt.Fprintf(stderr, "relay %s: %d published (%.0f/s), %d failed, %d quarantined, %d partitions held\n",
-					rl.ID(), st.Published, float64(st.Published-last)/f.progress.Seconds(), st.Failed, st.Quarantined, st.Partitions)
-				last = st.Published
-			}
-		}
-	}()
-	err = rl.Run(ctx)
-	close(done)
-	<-stopped
-	st := rl.Stats()
-	fmt.Fprintf(stdout, "relay %s stopped: %d published, %d failed, %d quarantined, %d batches\n", rl.ID(), st.Published, st.Failed, st.Quarantined, st.Batches)
-	if err != nil {
-		fmt.Fprintf(stderr, "dedup relay: %v\n", err)
-		return exitFail
-	}
-	return exitOK
+	return runRelayLoop(ctx, f, src, pub.Outbox(f.ackWait), "RabbitMQ "+url+" exchange "+strconv.Quote(f.amqp.exchange), stdout, stderr)
 }

@@ -3,8 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"math/rand/v2"
+	"net/http"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -67,7 +70,8 @@ func TestRelayAMQP(t *testing.T) {
 	}
 
 	f := relayFlags{store: "sqlite", sqlitePath: path, broker: "rabbitmq", parts: 4, batch: 50, lease: 2 * time.Second,
-		poll: 50 * time.Millisecond, attempts: 3, policy: "block", ackWait: 10 * time.Second, amqp: relayAMQPFlags{url: url}}
+		poll: 50 * time.Millisecond, attempts: 3, policy: "block", ackWait: 10 * time.Second, amqp: relayAMQPFlags{url: url},
+		metricsListen: "127.0.0.1:" + testenv.FreePort(t)}
 	if err := f.check(); err != nil {
 		t.Fatal(err)
 	}
@@ -93,6 +97,23 @@ func TestRelayAMQP(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("%d of %d messages arrived", q.Messages, len(want))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The relay's /metrics counts what it published (marking follows the
+	// broker's acknowledgement: wait for it).
+	for {
+		resp, err := http.Get("http://" + f.metricsListen + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if regexp.MustCompile(`(?m)^dedup_outbox_published_total\{[^}]*\} 20$`).Match(body) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/metrics never showed 20 published:\n%s", body)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
