@@ -45,20 +45,9 @@ Flags:
 `
 
 type dlqFlags struct {
-	natsURL  string
-	stream   string
-	consumer string
-	limit    int
-	json     bool
-	payload  bool
-	dryRun   bool
-	rate     float64
-	ids      string
-	keep     bool
-	store    string
-	path     string
-	addr     string
-	timeout  time.Duration
+	natsURL string
+	stream  string
+	dlqCommon
 }
 
 func newDLQFlagSet(sub string, f *dlqFlags) *flag.FlagSet {
@@ -160,6 +149,56 @@ func runDLQ(args []string, stdout, stderr io.Writer) int {
 	return dlqReplay(ctx, &f, nc, q, stdout, stderr)
 }
 
+// dlqCommon holds the flags of `dedup dlq` that every broker shares.
+type dlqCommon struct {
+	consumer string
+	limit    int
+	json     bool
+	payload  bool
+	dryRun   bool
+	rate     float64
+	ids      string
+	keep     bool
+	store    string
+	path     string
+	addr     string
+	timeout  time.Duration
+}
+
+// check validates the shared flags of subcommand sub: the limit and the
+// timeout always; for replay, the rate and the dedup store to consult.
+func (c *dlqCommon) check(sub string) error {
+	if c.limit < 0 || c.limit > maxLimit {
+		return badUsage("--limit must be between 0 (all) and %d, got %d", maxLimit, c.limit)
+	}
+	if err := checkTimeout(c.timeout); err != nil {
+		return err
+	}
+	if sub != "replay" {
+		return nil
+	}
+	if c.rate == 0 || c.rate > maxRate || c.rate != c.rate {
+		return badUsage("--rate must be a number of records per second up to %d (negative: no limit), got %v", maxRate, c.rate)
+	}
+	switch c.store {
+	case "":
+		if c.path != "" || c.addr != "" {
+			return badUsage("--path and --addr need --store")
+		}
+	case "sqlite":
+		if c.path == "" {
+			return badUsage("--store sqlite needs --path, the consumer's database file")
+		}
+	case "redis", "postgres":
+		if c.path != "" {
+			return badUsage("--path applies only to --store sqlite")
+		}
+	default:
+		return badUsage("--store must be sqlite, redis or postgres, got %q", c.store)
+	}
+	return nil
+}
+
 func (f *dlqFlags) check(sub string) error {
 	if f.natsURL == "" {
 		f.natsURL = os.Getenv("DEDUP_NATS_URL")
@@ -167,33 +206,8 @@ func (f *dlqFlags) check(sub string) error {
 	if f.natsURL == "" {
 		f.natsURL = "nats://127.0.0.1:4222"
 	}
-	if f.limit < 0 || f.limit > maxLimit {
-		return badUsage("--limit must be between 0 (all) and %d, got %d", maxLimit, f.limit)
-	}
-	if err := checkTimeout(f.timeout); err != nil {
+	if err := f.dlqCommon.check(sub); err != nil || sub != "replay" {
 		return err
-	}
-	if sub != "replay" {
-		return nil
-	}
-	if f.rate == 0 || f.rate > maxRate || f.rate != f.rate {
-		return badUsage("--rate must be a number of records per second up to %d (negative: no limit), got %v", maxRate, f.rate)
-	}
-	switch f.store {
-	case "":
-		if f.path != "" || f.addr != "" {
-			return badUsage("--path and --addr need --store")
-		}
-	case "sqlite":
-		if f.path == "" {
-			return badUsage("--store sqlite needs --path, the consumer's database file")
-		}
-	case "redis", "postgres":
-		if f.path != "" {
-			return badUsage("--path applies only to --store sqlite")
-		}
-	default:
-		return badUsage("--store must be sqlite, redis or postgres, got %q", f.store)
 	}
 	for _, id := range f.idList() {
 		if _, err := strconv.ParseUint(id, 10, 64); err != nil {

@@ -74,21 +74,10 @@ Flags:
 `
 
 type dlqAMQPFlags struct {
-	url      string
-	queue    string
-	scope    string
-	consumer string
-	limit    int
-	json     bool
-	payload  bool
-	dryRun   bool
-	rate     float64
-	ids      string
-	keep     bool
-	store    string
-	path     string
-	addr     string
-	timeout  time.Duration
+	url   string
+	queue string
+	scope string
+	dlqCommon
 }
 
 func newDLQAMQPFlagSet(sub string, f *dlqAMQPFlags) *flag.FlagSet {
@@ -126,35 +115,7 @@ func (f *dlqAMQPFlags) check(sub string) error {
 	if f.url == "" {
 		f.url = "amqp://guest:guest@127.0.0.1:5672/"
 	}
-	if f.limit < 0 || f.limit > maxLimit {
-		return badUsage("--limit must be between 0 (all) and %d, got %d", maxLimit, f.limit)
-	}
-	if err := checkTimeout(f.timeout); err != nil {
-		return err
-	}
-	if sub != "replay" {
-		return nil
-	}
-	if f.rate == 0 || f.rate > maxRate || f.rate != f.rate {
-		return badUsage("--rate must be a number of records per second up to %d (negative: no limit), got %v", maxRate, f.rate)
-	}
-	switch f.store {
-	case "":
-		if f.path != "" || f.addr != "" {
-			return badUsage("--path and --addr need --store")
-		}
-	case "sqlite":
-		if f.path == "" {
-			return badUsage("--store sqlite needs --path, the consumer's database file")
-		}
-	case "redis", "postgres":
-		if f.path != "" {
-			return badUsage("--path applies only to --store sqlite")
-		}
-	default:
-		return badUsage("--store must be sqlite, redis or postgres, got %q", f.store)
-	}
-	return nil
+	return f.dlqCommon.check(sub)
 }
 
 // runDLQAMQP is `dedup dlq` over a RabbitMQ dead-letter queue; args follow

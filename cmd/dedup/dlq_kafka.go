@@ -40,20 +40,9 @@ Flags:
 `
 
 type dlqKafkaFlags struct {
-	brokers  relayKafkaFlags
-	topic    string
-	consumer string
-	limit    int
-	json     bool
-	payload  bool
-	dryRun   bool
-	rate     float64
-	ids      string
-	keep     bool
-	store    string
-	path     string
-	addr     string
-	timeout  time.Duration
+	brokers relayKafkaFlags
+	topic   string
+	dlqCommon
 }
 
 func newDLQKafkaFlagSet(sub string, f *dlqKafkaFlags) *flag.FlagSet {
@@ -82,34 +71,7 @@ func newDLQKafkaFlagSet(sub string, f *dlqKafkaFlags) *flag.FlagSet {
 	return fs
 }
 
-func (f *dlqKafkaFlags) check(sub string) error {
-	switch {
-	case f.limit < 0 || f.limit > maxLimit:
-		return badUsage("--limit must be between 0 (all) and %d, got %d", maxLimit, f.limit)
-	case sub == "replay" && (f.rate == 0 || f.rate > maxRate || f.rate != f.rate):
-		return badUsage("--rate must be a number of records per second up to %d (negative: no limit), got %v", maxRate, f.rate)
-	}
-	if err := checkTimeout(f.timeout); err != nil {
-		return err
-	}
-	switch f.store {
-	case "":
-		if f.path != "" || f.addr != "" {
-			return badUsage("--path and --addr need --store")
-		}
-	case "sqlite":
-		if f.path == "" {
-			return badUsage("--store sqlite needs --path, the consumer's database file")
-		}
-	case "redis", "postgres":
-		if f.path != "" {
-			return badUsage("--path applies only to --store sqlite")
-		}
-	default:
-		return badUsage("--store must be sqlite, redis or postgres, got %q", f.store)
-	}
-	return nil
-}
+func (f *dlqKafkaFlags) check(sub string) error { return f.dlqCommon.check(sub) }
 
 // runDLQKafka is `dedup dlq` over a Kafka dead-letter topic; args follow
 // the subcommand, --broker taken out.
