@@ -49,8 +49,10 @@ const hdrCopy = "Dedup-Verify-Copy"
 //     connection, and an ack sent just before the cut may or may not
 //     have reached the broker (its copy may come back: a duplicate).
 //
-// A copy counts as acknowledged the first time its ack is sent on a live
-// channel; the run ends when every copy has been. The queue is deleted
+// A copy counts as acknowledged the first time its ack is written without
+// error, even if the channel dies right after (the broker may have
+// processed that ack, and then never redelivers the copy); the run ends
+// when every copy has been. The queue is deleted
 // unless opts.Keep.
 func RunAMQP(ctx context.Context, cfg Config, t Target, opts AMQPOptions) (Report, error) {
 	if opts.DropEvery < 0 {
@@ -292,6 +294,11 @@ func (b *broker) consumeAMQP(ctx context.Context, t Target, cm *amqpConns, queue
 	}
 }
 
+// amqpAfterAck, when set (by tests), runs after each ack written without
+// error, before the copy is counted: a test closes the channel there to
+// land a drop between an ack the broker has processed and its counting.
+var amqpAfterAck func(ch *amqp.Channel)
+
 // consumeChannel handles deliveries of one channel until it dies, a
 // crash closes it, or stop.
 func (b *broker) consumeChannel(ctx context.Context, t Target, ch *amqp.Channel, msgs <-chan amqp.Delivery, rng *rand.Rand, seen *sync.Map, results chan<- natsSettled, stop <-chan struct{}) {
@@ -331,7 +338,21 @@ func (b *broker) consumeChannel(ctx context.Context, t Target, ch *amqp.Channel,
 		crashed := false
 		switch {
 		case res.Outcome.acked():
-			if err := m.Ack(false); err == nil && !ch.IsClosed() {
+			// The copy is done once its ack is written, whatever happens
+			// to the channel next. An ack written just before a drop may
+			// or may not have reached the broker, and the channel may
+			// already look closed when the write returns: if the ack
+			// landed, the broker never redelivers the copy, so waiting
+			// for a redelivery would wait forever; if it did not, the
+			// copy comes back as a duplicate, and seen keeps its ack
+			// from counting twice. A failed write sent nothing: the
+			// channel died with the copy unacknowledged and the broker
+			// redelivers it.
+			err := m.Ack(false)
+			if err == nil && amqpAfterAck != nil {
+				amqpAfterAck(ch)
+			}
+			if err == nil {
 				_, dup := seen.LoadOrStore(strconv.Itoa(seq)+"/"+strconv.Itoa(int(cp)), struct{}{})
 				out.acked = !dup
 			}

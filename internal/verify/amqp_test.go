@@ -2,6 +2,7 @@ package verify_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -97,4 +98,40 @@ func TestAMQPQueueKeptOnlyOnRequest(t *testing.T) {
 		}
 		conn.Close()
 	}
+}
+
+// TestAMQPAckLandedThenChannelClosed: an ack written just before the
+// channel dies may already have been processed by the broker, which then
+// never redelivers that copy. The checker must count the copy as done
+// once its ack is written (a redelivery, if the ack did not land, is a
+// duplicate that counts nothing), not only when the channel still looks
+// alive after the write: otherwise the run waits forever for a message
+// the broker has settled (CI: "timed out with 1 messages unfinished"
+// under --drop-every). The hook closes the channel gracefully after one
+// ack, so the broker surely processed that ack before the channel died.
+func TestAMQPAckLandedThenChannelClosed(t *testing.T) {
+	cfg := smallConfig()
+	cfg.Messages = 100
+	cfg.Consumers = 4
+	cfg.DupRate = 0
+	cfg.CrashRate = 0
+	cfg.FailRate = 0
+	var once sync.Once
+	closed := false
+	defer verify.SetAMQPAfterAck(func(ch *amqp.Channel) {
+		once.Do(func() {
+			_ = ch.Close() // waits for close-ok: the ack before it was processed
+			closed = true
+		})
+	})()
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	rep, err := verify.RunAMQP(ctx, cfg, open(t, "memory", "", cfg), verify.AMQPOptions{URL: testenv.AMQPURL(t)})
+	if err != nil {
+		t.Fatalf("RunAMQP: %v", err)
+	}
+	if !closed {
+		t.Fatal("the hook never ran")
+	}
+	requireExactlyOnce(t, cfg, rep)
 }
