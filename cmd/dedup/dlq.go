@@ -500,3 +500,44 @@ func dlqReplay(ctx context.Context, f *dlqFlags, nc *nats.Conn, q *dedupnats.DLQ
 	}
 	return exitOK
 }
+
+// reportReplay prints the summary of a dead-letter replay, as text or as
+// one JSON object, with the replay's error on stderr, and returns the exit
+// status: a failure when the replay failed or any record did. The RabbitMQ
+// and Kafka replays use it; the NATS replay also lists every item.
+func reportReplay(stdout, stderr io.Writer, asJSON, dryRun, checked bool, rep consumer.ReplayReport, err error) int {
+	if asJSON {
+		out := struct {
+			DryRun           bool   `json:"dry_run"`
+			Checked          bool   `json:"checked_store"`
+			Seen             int    `json:"seen"`
+			WouldReplay      int    `json:"would_replay"`
+			Replayed         int    `json:"replayed"`
+			AlreadyCompleted int    `json:"already_completed"`
+			InProgress       int    `json:"in_progress"`
+			Failed           int    `json:"failed"`
+			Error            string `json:"error,omitempty"`
+		}{dryRun, checked, rep.Seen, rep.WouldReplay, rep.Replayed, rep.AlreadyCompleted, rep.InProgress, rep.Failed, ""}
+		if err != nil {
+			out.Error = err.Error()
+		}
+		if st := writeJSON(stdout, stderr, "dlq replay", out); st != exitOK {
+			return st
+		}
+	} else {
+		n, verb := rep.Replayed, "replayed"
+		if dryRun {
+			n, verb = rep.WouldReplay, "would replay"
+		}
+		fmt.Fprintf(stdout, "%d records: %s %d, already completed %d, in progress %d, failed %d\n",
+			rep.Seen, verb, n, rep.AlreadyCompleted, rep.InProgress, rep.Failed)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup dlq replay: %v\n", err)
+		return exitFail
+	}
+	if rep.Failed > 0 {
+		return exitFail
+	}
+	return exitOK
+}

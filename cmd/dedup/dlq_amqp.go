@@ -278,38 +278,5 @@ func dlqAMQPReplay(ctx context.Context, f *dlqAMQPFlags, q *dedupamqp.DLQ, stdou
 		fmt.Fprintln(stdout, line)
 	}
 	rep, err := consumer.Replay(ctx, q, pub, opts)
-	if f.json {
-		out := struct {
-			DryRun           bool   `json:"dry_run"`
-			Checked          bool   `json:"checked_store"`
-			Seen             int    `json:"seen"`
-			WouldReplay      int    `json:"would_replay"`
-			Replayed         int    `json:"replayed"`
-			AlreadyCompleted int    `json:"already_completed"`
-			InProgress       int    `json:"in_progress"`
-			Failed           int    `json:"failed"`
-			Error            string `json:"error,omitempty"`
-		}{f.dryRun, store != nil, rep.Seen, rep.WouldReplay, rep.Replayed, rep.AlreadyCompleted, rep.InProgress, rep.Failed, ""}
-		if err != nil {
-			out.Error = err.Error()
-		}
-		if st := writeJSON(stdout, stderr, "dlq replay", out); st != exitOK {
-			return st
-		}
-	} else {
-		n, verb := rep.Replayed, "replayed"
-		if f.dryRun {
-			n, verb = rep.WouldReplay, "would replay"
-		}
-		fmt.Fprintf(stdout, "%d records: %s %d, already completed %d, in progress %d, failed %d\n",
-			rep.Seen, verb, n, rep.AlreadyCompleted, rep.InProgress, rep.Failed)
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "dedup dlq replay: %v\n", err)
-		return exitFail
-	}
-	if rep.Failed > 0 {
-		return exitFail
-	}
-	return exitOK
+	return reportReplay(stdout, stderr, f.json, f.dryRun, store != nil, rep, err)
 }

@@ -225,29 +225,5 @@ func dlqKafkaReplay(ctx context.Context, f *dlqKafkaFlags, q consumer.DeadLetter
 		}
 	}
 	rep, err := consumer.Replay(ctx, q, pub, opts)
-	if f.json {
-		out := map[string]any{"dry_run": f.dryRun, "checked_store": store != nil, "seen": rep.Seen, "would_replay": rep.WouldReplay,
-			"replayed": rep.Replayed, "already_completed": rep.AlreadyCompleted, "in_progress": rep.InProgress, "failed": rep.Failed}
-		if err != nil {
-			out["error"] = err.Error()
-		}
-		if st := writeJSON(stdout, stderr, "dlq replay", out); st != exitOK {
-			return st
-		}
-	} else {
-		n, verb := rep.Replayed, "replayed"
-		if f.dryRun {
-			n, verb = rep.WouldReplay, "would replay"
-		}
-		fmt.Fprintf(stdout, "%d records: %s %d, already completed %d, in progress %d, failed %d\n",
-			rep.Seen, verb, n, rep.AlreadyCompleted, rep.InProgress, rep.Failed)
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "dedup dlq replay: %v\n", err)
-		return exitFail
-	}
-	if rep.Failed > 0 {
-		return exitFail
-	}
-	return exitOK
+	return reportReplay(stdout, stderr, f.json, f.dryRun, store != nil, rep, err)
 }
