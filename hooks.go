@@ -6,8 +6,8 @@ import (
 )
 
 // A Hook observes deduplication. It is any value that implements one or
-// more of [ClaimHook], [DuplicateHook], [TakeoverHook], [FinishHook] and
-// [StoreErrorHook]; a metrics or tracing adapter implements the ones it
+// more of [ClaimHook], [DuplicateHook], [TakeoverHook], [FinishHook],
+// [StoreErrorHook] and [SweepHook]; a metrics or tracing adapter implements the ones it
 // needs. Hooks run synchronously on the caller's goroutine and must be fast
 // and must not block. No metrics library is imported here: adapters live in
 // their own packages.
@@ -81,6 +81,23 @@ type StoreErrorHook interface {
 	OnStoreError(ctx context.Context, e StoreErrorEvent)
 }
 
+// SweepEvent describes one pass of a store's background sweeper: the
+// expired records it deleted and how long the pass took. A pass that
+// failed part way reports what it deleted before the failure and its
+// error.
+type SweepEvent struct {
+	Store    string // the store's name ("postgres", "sqlite", or the name given to the sweeper)
+	Deleted  int64  // expired records deleted by the pass
+	Batches  int    // delete statements run
+	Duration time.Duration
+	Err      error // nil when the pass succeeded
+}
+
+// SweepHook observes sweeper passes.
+type SweepHook interface {
+	OnSweep(ctx context.Context, e SweepEvent)
+}
+
 // Hooks is a set of hooks sorted by the events they observe, built once so
 // that emitting an event costs no type assertion. The zero Hooks observes
 // nothing. Adapters (HTTP, brokers, layered stores) use it to emit the same
@@ -91,6 +108,7 @@ type Hooks struct {
 	takeover  []TakeoverHook
 	finish    []FinishHook
 	storeErr  []StoreErrorHook
+	sweep     []SweepHook
 }
 
 // NewHooks sorts hs by the interfaces each implements. A value that
@@ -119,12 +137,15 @@ func (h *Hooks) Add(hs ...Hook) {
 		if v, ok := x.(StoreErrorHook); ok {
 			h.storeErr = append(h.storeErr, v)
 		}
+		if v, ok := x.(SweepHook); ok {
+			h.sweep = append(h.sweep, v)
+		}
 	}
 }
 
 // Empty reports whether h observes nothing, so callers can skip timing.
 func (h *Hooks) Empty() bool {
-	return len(h.claim)+len(h.duplicate)+len(h.takeover)+len(h.finish)+len(h.storeErr) == 0
+	return len(h.claim)+len(h.duplicate)+len(h.takeover)+len(h.finish)+len(h.storeErr)+len(h.sweep) == 0
 }
 
 // Claimed emits the events of one claim: the claim itself, then a
@@ -164,6 +185,13 @@ func (h *Hooks) StoreFailed(ctx context.Context, e StoreErrorEvent) {
 	}
 }
 
+// Swept emits a sweep event.
+func (h *Hooks) Swept(ctx context.Context, e SweepEvent) {
+	for _, x := range h.sweep {
+		x.OnSweep(ctx, e)
+	}
+}
+
 // HookFunc adapts a function to every hook interface: it receives each
 // event as an any (one of the *Event types above). Handy in tests and for
 // logging.
@@ -174,3 +202,4 @@ func (f HookFunc) OnDuplicate(ctx context.Context, e DuplicateEvent)   { f(ctx, 
 func (f HookFunc) OnTakeover(ctx context.Context, e TakeoverEvent)     { f(ctx, e) }
 func (f HookFunc) OnFinish(ctx context.Context, e FinishEvent)         { f(ctx, e) }
 func (f HookFunc) OnStoreError(ctx context.Context, e StoreErrorEvent) { f(ctx, e) }
+func (f HookFunc) OnSweep(ctx context.Context, e SweepEvent)           { f(ctx, e) }

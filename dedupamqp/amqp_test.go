@@ -35,6 +35,43 @@ func TestConsumerAppliesEachOnceAndAcksDuplicates(t *testing.T) {
 	}
 }
 
+// Batch mode: the waiting deliveries are claimed and completed together,
+// each acked alone after its decision; duplicates inside and across
+// batches are acked without a second effect, and a poison message in a
+// batch is dead-lettered while the rest of it applies.
+func TestBatchAppliesEachOnce(t *testing.T) {
+	r := newRig(t)
+	p := r.processor("batch", func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		if m.ID == "b-7" {
+			return nil, consumer.Permanent(errors.New("cannot parse"))
+		}
+		r.effect(m.ID)
+		return nil, nil
+	}, consumer.WithLimits(consumer.Limits{Permanent: 1}))
+	c := r.consumer(p, WithPrefetch(64), WithBatch(32), WithConcurrency(2))
+	r.declare(c)
+	ids := r.publish("b", 200)
+	r.publish("b", 60) // the same IDs again: producer retries
+	r.run(c)
+	waitFor(t, "every copy settled", func() bool { return c.Stats().Acked == 260 })
+	var good []string
+	for _, id := range ids {
+		if id != "b-7" {
+			good = append(good, id)
+		}
+	}
+	r.checkOnce(good)
+	if r.effectsOf("b-7") != 0 {
+		t.Error("the poison message took effect")
+	}
+	if st := c.Stats(); st.DeadLettered < 1 || st.Batches == 0 || st.Batched <= st.Batches {
+		t.Errorf("poison message not dead-lettered, or no batch of more than one ran: %+v", st)
+	}
+	if s := p.Stats(); s.Duplicates < 59 {
+		t.Errorf("processor counted %d duplicates, want at least 59 (60 re-sends, one of them of the poison message)", s.Duplicates)
+	}
+}
+
 // A consumer killed after the commit and before the ack: the broker
 // returns the message when the connection dies, and the redelivery is a
 // duplicate, acked without a second effect.

@@ -37,6 +37,9 @@ var quiet = slog.New(slog.DiscardHandler)
 //   - redis-floor2: floor1 plus a second plain SET after the handler: the
 //     two writes every crash-safe design makes (claim, completion),
 //     unfenced.
+//   - redis-batch32: the redis case with WithBatch(32): the deliveries
+//     already waiting, up to 32, claimed and completed in one script call
+//     each.
 //
 // x_bare is a case's rate over bare's in the same run, x_floor2 (redis)
 // over redis-floor2's. Cases run in the order listed, each in the same
@@ -112,6 +115,19 @@ func benchConsume(b *testing.B, prefetch, conc int) {
 		}
 		b.Cleanup(func() { s.Close() })
 		elapsed := adapterConsume(b, url, s, prefetch, conc)
+		rate := report(b, elapsed)
+		if floor2Rate > 0 {
+			b.ReportMetric(rate/floor2Rate, "x_floor2")
+		}
+	})
+	b.Run("redis-batch32", func(b *testing.B) {
+		addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+		s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(unique("bench")+":"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { s.Close() })
+		elapsed := adapterConsume(b, url, s, prefetch, conc, WithBatch(32))
 		rate := report(b, elapsed)
 		if floor2Rate > 0 {
 			b.ReportMetric(rate/floor2Rate, "x_floor2")
@@ -219,7 +235,7 @@ func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(cont
 
 // adapterConsume consumes b.N messages through a Consumer with a
 // processor on s and returns the time taken.
-func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int) time.Duration {
+func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int, opts ...ConsumerOption) time.Duration {
 	b.Helper()
 	q := benchQueue(b, url)
 	var done atomic.Int64
@@ -235,7 +251,7 @@ func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int)
 	if err != nil {
 		b.Fatal(err)
 	}
-	c, err := NewConsumer(url, q, p, WithPrefetch(prefetch), WithConcurrency(conc), WithLogger(quiet), WithoutDeclare())
+	c, err := NewConsumer(url, q, p, append([]ConsumerOption{WithPrefetch(prefetch), WithConcurrency(conc), WithLogger(quiet), WithoutDeclare()}, opts...)...)
 	if err != nil {
 		b.Fatal(err)
 	}

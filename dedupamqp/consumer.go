@@ -78,10 +78,14 @@ type Stats struct {
 	// PRECONDITION_FAILED (406), the error of an unknown delivery tag. It
 	// stays 0 unless a delivery tag is misused.
 	PreconditionFailed uint64
+	// Batches counts ProcessBatch calls of more than one delivery
+	// ([WithBatch]); Batched the deliveries they carried.
+	Batches, Batched uint64
 }
 
 type consumerStats struct {
 	delivered, acked, retried, requeued, deadLettered, envelope, stale, ackErrors, sessions, precondition atomic.Uint64
+	batches, batched                                                                                      atomic.Uint64
 }
 
 // NewConsumer returns a consumer of queue on the RabbitMQ server at url
@@ -127,6 +131,7 @@ func (c *Consumer) Stats() Stats {
 		Delivered: s.delivered.Load(), Acked: s.acked.Load(), Retried: s.retried.Load(), Requeued: s.requeued.Load(),
 		DeadLettered: s.deadLettered.Load(), EnvelopeErrors: s.envelope.Load(), Stale: s.stale.Load(),
 		AckErrors: s.ackErrors.Load(), Sessions: s.sessions.Load(), PreconditionFailed: s.precondition.Load(),
+		Batches: s.batches.Load(), Batched: s.batched.Load(),
 	}
 }
 
@@ -398,7 +403,25 @@ func (c *Consumer) serve(ctx context.Context, s *session, msgs <-chan amqp.Deliv
 					// the channel closes.
 					continue
 				}
-				c.process(procCtx, s, &d)
+				if c.cfg.batch <= 1 {
+					c.process(procCtx, s, &d)
+					continue
+				}
+				batch := []amqp.Delivery{d}
+			gather:
+				for len(batch) < c.cfg.batch {
+					select {
+					case more, ok := <-msgs:
+						if !ok {
+							break gather
+						}
+						c.stats.delivered.Add(1)
+						batch = append(batch, more)
+					default:
+						break gather // take only what is already waiting
+					}
+				}
+				c.handleBatch(procCtx, s, batch)
 			}
 		})
 	}
@@ -452,6 +475,39 @@ func (c *Consumer) handle(ctx context.Context, s *session, d *amqp.Delivery) {
 }
 
 // settle sends dec for d on d's own session, unless that session is gone.
+// handleBatch runs ds through ProcessBatch (a delivery whose envelope
+// cannot be read is quarantined in its turn) and settles each after its
+// decision, in delivery order.
+func (c *Consumer) handleBatch(ctx context.Context, s *session, ds []amqp.Delivery) {
+	ms := make([]*consumer.Message, len(ds))
+	decs := make([]consumer.Decision, len(ds))
+	run := make([]*consumer.Message, 0, len(ds))
+	at := make([]int, 0, len(ds))
+	for i := range ds {
+		m, err := newMessage(&ds[i], c.queue)
+		ms[i] = m
+		if err != nil {
+			c.stats.envelope.Add(1)
+			decs[i] = c.p.Quarantine(ctx, m, consumer.ClassPermanent, err)
+			continue
+		}
+		run = append(run, m)
+		at = append(at, i)
+	}
+	if len(run) == 1 {
+		decs[at[0]] = c.p.Process(ctx, run[0])
+	} else if len(run) > 1 {
+		c.stats.batches.Add(1)
+		c.stats.batched.Add(uint64(len(run)))
+		for j, dec := range c.p.ProcessBatch(ctx, run) {
+			decs[at[j]] = dec
+		}
+	}
+	for i := range ds {
+		c.settle(ctx, s, &ds[i], ms[i], decs[i])
+	}
+}
+
 func (c *Consumer) settle(ctx context.Context, s *session, d *amqp.Delivery, m *consumer.Message, dec consumer.Decision) {
 	if s.dead.Load() || s.ch.IsClosed() {
 		// The channel d came on is closed: the broker has returned d to

@@ -23,7 +23,10 @@
 //     requeued: a crash between the two leaves two copies, never none, and
 //     dedup absorbs the second. The queue is not blocked meanwhile.
 //   - QoS prefetch bounds what the broker sends ahead ([WithPrefetch]);
-//     [WithConcurrency] bounds how many run at once.
+//     [WithConcurrency] bounds how many run at once. [WithBatch] lets a
+//     worker claim and complete the deliveries already waiting together
+//     (ProcessBatch: two store round trips per batch), each still acked
+//     alone after its own decision.
 //   - Delivery count: a quorum queue's x-delivery-count (earlier returned
 //     deliveries) plus Dedup-Retries, plus one; on a classic queue the
 //     redelivered flag counts as one earlier delivery.

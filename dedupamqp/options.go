@@ -24,6 +24,7 @@ const (
 type consumerConfig struct {
 	prefetch      int
 	concurrency   int
+	batch         int
 	queueType     string
 	deliveryLimit int
 	dlx           string
@@ -42,6 +43,7 @@ func defaultConsumerConfig() consumerConfig {
 	return consumerConfig{
 		prefetch:     64,
 		concurrency:  1,
+		batch:        1,
 		queueType:    Classic,
 		declare:      true,
 		retryDelays:  []time.Duration{250 * time.Millisecond, time.Second, 5 * time.Second, 30 * time.Second},
@@ -56,6 +58,8 @@ func (c *consumerConfig) validate() error {
 	switch {
 	case c.prefetch < 1 || c.prefetch > 65535:
 		return bad("prefetch", "must be between 1 and 65535, got "+strconv.Itoa(c.prefetch))
+	case c.batch < 1 || c.batch > c.prefetch:
+		return bad("batch", "must be between 1 and the prefetch ("+strconv.Itoa(c.prefetch)+"), got "+strconv.Itoa(c.batch))
 	case c.concurrency < 1:
 		return bad("concurrency", "must be at least 1, got "+strconv.Itoa(c.concurrency))
 	case c.concurrency > c.prefetch:
@@ -107,6 +111,18 @@ func WithPrefetch(n int) ConsumerOption {
 // throughput; it must not exceed the prefetch.
 func WithConcurrency(n int) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.concurrency = n })
+}
+
+// WithBatch lets a worker take up to n deliveries that are already
+// waiting (it never waits for more) and run them through
+// [consumer.Processor.ProcessBatch]: one store round trip claims them all
+// and one completes them, instead of two per message. Each delivery is
+// still acknowledged alone, after its own decision. The handlers of a
+// batch run one at a time, in delivery order; a batch's claims are held
+// until its handlers ran (see ProcessBatch for the leases). Default 1 (no
+// batching); n must not exceed the prefetch.
+func WithBatch(n int) ConsumerOption {
+	return consumerOption(func(c *consumerConfig) { c.batch = n })
 }
 
 // WithQueueType sets the type of the work queue the consumer declares:

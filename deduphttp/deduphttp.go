@@ -165,6 +165,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if len(vals) == 0 {
 		if required {
 			writeProblem(w, http.StatusBadRequest, CodeKeyMissing, "This operation requires an "+HeaderKey+" header.")
+			if m.cfg.onDone != nil {
+				m.cfg.onDone(r, Event{Class: ClassRejected, Status: http.StatusBadRequest})
+			}
 			return
 		}
 		next.ServeHTTP(w, r)

@@ -176,9 +176,22 @@ func TestConcurrentSameKeyRunsOnce(t *testing.T) {
 	}
 }
 
+// fixedClock is a dedup.Clock stopped at one instant.
+type fixedClock struct{ t time.Time }
+
+func (c fixedClock) Now() time.Time { return c.t }
+
 func TestReplay(t *testing.T) {
 	h := &counting{}
-	m := newMiddleware(t, newMem(t), deduphttp.WithRetention(time.Hour))
+	// The store and the middleware read one stopped clock, so the expiry
+	// header is checked exactly, not against the wall clock.
+	clock := fixedClock{time.Date(2026, 3, 4, 5, 6, 7, 0, time.UTC)}
+	store, err := memstore.New(memstore.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	m := newMiddleware(t, store, deduphttp.WithRetention(time.Hour), deduphttp.WithClock(clock))
 	srv := httptest.NewServer(m.Required(h))
 	defer srv.Close()
 	first := post(t, srv.Client(), srv.URL, "abc-123", "x")
@@ -207,8 +220,8 @@ func TestReplay(t *testing.T) {
 		exp, err := http.ParseTime(r.header.Get(deduphttp.HeaderExpires))
 		if err != nil {
 			t.Errorf("expiry header %q: %v", r.header.Get(deduphttp.HeaderExpires), err)
-		} else if d := time.Until(exp); d < 59*time.Minute || d > 61*time.Minute {
-			t.Errorf("expiry %v is not about the hour of retention away", exp)
+		} else if want := clock.t.Add(time.Hour); !exp.Equal(want) {
+			t.Errorf("expiry %v, want the hour of retention after the claim: %v", exp, want)
 		}
 	}
 }

@@ -303,7 +303,10 @@ func WithHandlerTimeout(d time.Duration) Option {
 
 // WithOnDone is called once per keyed request after the middleware has
 // answered it and stored, released or held its key, with what happened
-// (for a per-request log line or metrics). Default: none.
+// (for a per-request log line or metrics). A request the middleware
+// refuses with 400 is reported too, as [ClassRejected]: a malformed or
+// repeated key, and a missing key on a [Middleware.Required] route (with
+// an empty KeyHash and a zero Duration). Default: none.
 func WithOnDone(f func(r *http.Request, e Event)) Option {
 	return optionFunc(func(c *config) { c.onDone = f })
 }

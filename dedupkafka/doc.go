@@ -61,10 +61,46 @@
 // is written once; a re-send from outside the client (the relay after a
 // crash) carries the same Dedup-Msg-Id and is absorbed by the consumer.
 //
+// # Transactions
+//
+// A [Transactor] runs consume-transform-produce on franz-go's
+// GroupTransactSession (read_committed, KIP-447 stable offsets): a
+// handler's output records and the input offsets commit in one Kafka
+// transaction, and the input's dedup record is completed only after that
+// commit. What each part covers:
+//
+//   - The Kafka transaction covers the outputs and the input offsets:
+//     both become visible to read_committed readers, or neither. An
+//     aborted transaction (a rebalance, a refused offset commit, a failed
+//     produce, a handler error) leaves no output and rewinds the offsets.
+//   - The dedup store covers the handler's effect outside Kafka (a row, a
+//     charge), which no Kafka transaction can roll back: the input's key
+//     is claimed before the handler runs. After an abort, this process
+//     keeps the claim and the handler's outputs in memory and produces
+//     them again in the next transaction without running the handler. A
+//     completed key is a duplicate: a replay of the input (an offset
+//     reset) skips the handler and produces nothing.
+//   - Neither covers a partition that moves to another member while its
+//     transaction is open after the handler ran: the claim is left to its
+//     lease (never released: the effect may have happened), and the new
+//     owner takes it over when the lease ends and runs the handler with
+//     [TxInput.TakenOver] set and Attempt > 1. The handler must then
+//     reconcile by the message ID (a lookup, the provider's idempotency
+//     key) before repeating its effect. A claim is released at once only
+//     when the effect certainly did not start ([NotStarted]).
+//   - An error ending the transaction (franz-go: none is retryable) may
+//     leave its outcome unknown: Run returns it and the transaction's
+//     claims are left to their lease. A completion that fails after a
+//     commit leaves the key in progress until its lease ends (counted in
+//     [TxStats].CompleteErrors); only a later replay of the input would
+//     meet it, as a take-over.
+//
 // # What it does not do
 //
 // It has no retry topic: a retry holds its partition. Attempt counts live
 // in memory. Batch mode ([WithBatch]) gives up strict per-key order when a
-// record of the batch is retried. The transactional consume-transform-
-// produce processor of issue 16 is not built yet.
+// record of the batch is retried. The [Transactor] runs one transaction
+// at a time, its records in order (no partition parallelism), has no
+// dead-letter topic (a handler that keeps failing holds the transaction,
+// with backoff, and is logged), and checks no fingerprint.
 package dedupkafka

@@ -10,6 +10,7 @@ import (
 	"github.com/dedupkit/dedup/dedupkafka"
 	"github.com/dedupkit/dedup/memstore"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 )
 
 // A record published twice under one message ID (a relay that re-sent it
@@ -44,4 +45,47 @@ func Example() {
 	st := c.Stats()
 	fmt.Printf("charged %d time(s); %d records final, %d duplicate\n", charged, st.Final, st.Duplicates)
 	// Output: charged 1 time(s); 2 records final, 1 duplicate
+}
+
+// A Transactor turns each order into an invoice record: the invoice and
+// the order's offset commit in one Kafka transaction, and the charge, an
+// effect outside Kafka, runs once per message ID, here also for the
+// order re-sent under the same ID. A reader with read_committed sees one
+// invoice.
+func ExampleTransactor() {
+	cluster, _ := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders", "invoices"))
+	defer cluster.Close()
+	seeds := cluster.ListenAddrs()
+	ctx := context.Background()
+
+	pub, _ := dedupkafka.NewPublisher(seeds)
+	defer pub.Close()
+	order := &consumer.Message{ID: "order-7", Payload: []byte(`{"cents":990}`)}
+	_ = pub.Publish(ctx, "orders", order)
+	_ = pub.Publish(ctx, "orders", order) // the re-send
+
+	store, _ := memstore.New()
+	defer store.Close()
+	charged := 0
+	tr, _ := dedupkafka.NewTransactor(seeds, "invoicing", "invoicing-1", []string{"orders"}, store, "invoicing",
+		func(ctx context.Context, in dedupkafka.TxInput) ([]*kgo.Record, error) {
+			// in.Attempt > 1: an earlier run may have charged; ask the
+			// provider by in.Message.ID before charging again.
+			charged++
+			return []*kgo.Record{{Topic: "invoices", Value: in.Message.Payload}}, nil
+		}, dedupkafka.WithTxLogger(slog.New(slog.DiscardHandler)))
+	go tr.Run(ctx)
+	for tr.Stats().Applied+tr.Stats().Duplicates < 2 {
+		time.Sleep(10 * time.Millisecond)
+	}
+	tr.Close()
+
+	rd, _ := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.ConsumeTopics("invoices"),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	defer rd.Close()
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	invoices := rd.PollFetches(pctx).NumRecords()
+	fmt.Printf("charged %d time(s), %d invoice(s) committed\n", charged, invoices)
+	// Output: charged 1 time(s), 1 invoice(s) committed
 }

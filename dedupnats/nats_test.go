@@ -492,7 +492,9 @@ func TestTransientIsNakedWithDelay(t *testing.T) {
 			mu.Unlock()
 		}
 	}))
-	const ackWait = 60 * time.Second
+	// AckWait is far beyond the test's own deadline: a redelivery that
+	// arrives at all was brought back by the Nak's delay, not by AckWait.
+	const ackWait = time.Hour
 	durable := uniqueName(t, "C")
 	c := r.consumer(nil, durable, p, WithAckWait(ackWait))
 	r.publish("flaky")
@@ -508,12 +510,11 @@ func TestTransientIsNakedWithDelay(t *testing.T) {
 	if delay <= 0 {
 		t.Fatal("no Retry decision observed")
 	}
-	waited := calls[1].at.Sub(retryAt)
-	if waited < delay {
+	// A lower bound only: the broker must not bring the message back before
+	// the delay the Nak asked for. A slow machine can only make it later, so
+	// this cannot fail from load.
+	if waited := calls[1].at.Sub(retryAt); waited < delay {
 		t.Errorf("redelivered %s after the Nak, before its delay of %s", waited, delay)
-	}
-	if waited >= ackWait {
-		t.Errorf("redelivered after %s: AckWait, not the Nak delay, brought it back", waited)
 	}
 	if s := c.Stats(); s.Naked != 1 || s.Acked != 1 {
 		t.Errorf("consumer stats %+v, want one Nak and one Ack", s)

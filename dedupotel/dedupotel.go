@@ -5,6 +5,8 @@ import (
 	"errors"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/dedupkit/dedup"
@@ -118,21 +120,37 @@ type Telemetry struct {
 	tracer trace.Tracer
 	scopes *scopelabel.Limiter
 
-	claims, duplicates, takeovers, storeErrors     metric.Int64Counter
-	decisions, httpRequests                        metric.Int64Counter
+	claims, duplicates, takeovers, decisions       metric.Int64ObservableCounter
+	storeErrors, httpRequests                      metric.Int64Counter
 	claimDuration, finishDuration, processDuration metric.Float64Histogram
+	sweepDeleted                                   metric.Int64Counter
+	sweepDuration                                  metric.Float64Histogram
 
 	byScope   *scopelabel.Cache[scopeSets]
 	byStore   *scopelabel.Cache[storeSets]
 	byMessage *scopelabel.Cache[decisionSets]
 	byHTTP    *scopelabel.Cache[httpSets]
+
+	// Every series of the counters observed at collection; appended to
+	// by the caches' constructors (under their locks) and read by the
+	// callback.
+	mu        sync.Mutex
+	scopeAll  []*scopeSets
+	actionAll []*decisionSets
+	reg       metric.Registration
 }
 
-// Pre-built attribute options: an event allocates nothing to describe
-// itself.
+// The counters of one (store, scope label) are atomic counts that the
+// meter observes at collection (asynchronous counters): an event costs
+// an atomic add instead of a measurement through the SDK, whose per-call
+// attribute handling costs more than the rest of the event. Histograms
+// have no asynchronous form and are recorded per event with pre-built
+// attribute options, so an event allocates nothing to describe itself.
 type scopeSets struct {
-	claims              [5][]metric.AddOption // by Outcome; [0] = error
-	duplicate, takeover []metric.AddOption
+	claims              [5]atomic.Int64 // by Outcome; [0] = error
+	duplicate, takeover atomic.Int64
+	claimSets           [5]metric.ObserveOption
+	base                metric.ObserveOption // store and scope
 }
 
 type storeSets struct {
@@ -141,8 +159,9 @@ type storeSets struct {
 }
 
 type decisionSets struct {
-	action  [5][]metric.AddOption
-	process [6][]metric.RecordOption // [0] ok, [1+class] error
+	action     [5]atomic.Int64
+	actionSets [5]metric.ObserveOption
+	process    [6][]metric.RecordOption // [0] ok, [1+class] error
 }
 
 var (
@@ -183,21 +202,32 @@ func New(opts ...Option) (*Telemetry, error) {
 		errs = append(errs, err)
 		return c
 	}
+	observed := func(name, unit, desc string) metric.Int64ObservableCounter {
+		c, err := mt.Int64ObservableCounter(name, metric.WithUnit(unit), metric.WithDescription(desc))
+		errs = append(errs, err)
+		return c
+	}
 	hist := func(name, desc string) metric.Float64Histogram {
 		h, err := mt.Float64Histogram(name, metric.WithUnit("s"), metric.WithDescription(desc),
 			metric.WithExplicitBucketBoundaries(.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
 		errs = append(errs, err)
 		return h
 	}
-	t.claims = counter("dedup.claims", "{claim}", "Claims by store, scope and outcome.")
-	t.duplicates = counter("dedup.duplicates", "{message}", "Duplicates by the store or layer that caught them.")
-	t.takeovers = counter("dedup.takeovers", "{claim}", "Expired leases taken over.")
+	t.claims = observed("dedup.claims", "{claim}", "Claims by store, scope and outcome.")
+	t.duplicates = observed("dedup.duplicates", "{message}", "Duplicates by the store or layer that caught them.")
+	t.takeovers = observed("dedup.takeovers", "{claim}", "Expired leases taken over.")
 	t.storeErrors = counter("dedup.store.errors", "{error}", "Failed store calls (fail closed).")
-	t.decisions = counter("dedup.consumer.decisions", "{message}", "Consumer decisions by action.")
+	t.decisions = observed("dedup.consumer.decisions", "{message}", "Consumer decisions by action.")
 	t.httpRequests = counter("dedup.http.requests", "{request}", "Keyed HTTP requests by route, class and status code.")
 	t.claimDuration = hist("dedup.claim.duration", "Store latency of a claim.")
 	t.finishDuration = hist("dedup.finish.duration", "Ends of claims (complete, release, keep) by result, with the store latency.")
 	t.processDuration = hist("messaging.process.duration", "Duration of a handler run on a message.")
+	t.sweepDeleted = counter("dedup.sweep.deleted", "{record}", "Expired records deleted by sweeper passes.")
+	t.sweepDuration = hist("dedup.sweep.duration", "Duration of sweeper passes by store and result (ok, error).")
+	if err := errors.Join(errs...); err == nil {
+		t.reg, err = mt.RegisterCallback(t.observe, t.claims, t.duplicates, t.takeovers, t.decisions)
+		errs = append(errs, err)
+	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, &dedup.ArgumentError{Arg: "meter provider", Reason: "refused an instrument: " + err.Error()}
 	}
@@ -206,14 +236,14 @@ func New(opts ...Option) (*Telemetry, error) {
 	}
 	t.byScope = scopelabel.NewCache(func(p scopelabel.Pair) *scopeSets {
 		base := []attribute.KeyValue{AttrStore.String(p.A), AttrScope.String(p.B)}
-		s := &scopeSets{
-			duplicate: []metric.AddOption{set(base...)},
-			takeover:  []metric.AddOption{set(base...)},
-		}
-		s.claims[0] = []metric.AddOption{set(append(base, AttrOutcome.String("error"))...)}
+		s := &scopeSets{base: set(base...)}
+		s.claimSets[0] = set(append(base, AttrOutcome.String("error"))...)
 		for o := dedup.Acquired; o <= dedup.Mismatch; o++ {
-			s.claims[o] = []metric.AddOption{set(append(base, AttrOutcome.String(o.String()))...)}
+			s.claimSets[o] = set(append(base, AttrOutcome.String(o.String()))...)
 		}
+		t.mu.Lock()
+		t.scopeAll = append(t.scopeAll, s)
+		t.mu.Unlock()
 		return s
 	})
 	t.byStore = scopelabel.NewCache(func(p scopelabel.Pair) *storeSets {
@@ -229,12 +259,15 @@ func New(opts ...Option) (*Telemetry, error) {
 		sys, group := AttrMessagingSystem.String(cfg.system), AttrConsumerGroup.String(p.A)
 		s := &decisionSets{}
 		for i, a := range actions {
-			s.action[i] = []metric.AddOption{set(sys, group, AttrScope.String(p.B), AttrAction.String(a))}
+			s.actionSets[i] = set(sys, group, AttrScope.String(p.B), AttrAction.String(a))
 		}
 		s.process[0] = []metric.RecordOption{set(sys, group, AttrOperationName.String("process"))}
 		for c := range 5 {
 			s.process[c+1] = []metric.RecordOption{set(sys, group, AttrOperationName.String("process"), AttrErrorType.String(consumer.Class(c).String()))}
 		}
+		t.mu.Lock()
+		t.actionAll = append(t.actionAll, s)
+		t.mu.Unlock()
 		return s
 	})
 	t.byHTTP = scopelabel.NewCache(func(p scopelabel.Pair) *httpSets {
@@ -243,6 +276,35 @@ func New(opts ...Option) (*Telemetry, error) {
 		return &httpSets{add: []metric.AddOption{set(AttrHTTPRoute.String(p.A), AttrHTTPClass.String(class), AttrHTTPStatus.Int(n))}}
 	})
 	return t, nil
+}
+
+// observe reports the asynchronous counters at collection: every series
+// counted so far (a series appears once its first event is counted).
+func (t *Telemetry) observe(_ context.Context, o metric.Observer) error {
+	t.mu.Lock()
+	scopes, acts := t.scopeAll, t.actionAll
+	t.mu.Unlock()
+	for _, s := range scopes {
+		for i := range s.claims {
+			if v := s.claims[i].Load(); v > 0 {
+				o.ObserveInt64(t.claims, v, s.claimSets[i])
+			}
+		}
+		if v := s.duplicate.Load(); v > 0 {
+			o.ObserveInt64(t.duplicates, v, s.base)
+		}
+		if v := s.takeover.Load(); v > 0 {
+			o.ObserveInt64(t.takeovers, v, s.base)
+		}
+	}
+	for _, s := range acts {
+		for i := range s.action {
+			if v := s.action[i].Load(); v > 0 {
+				o.ObserveInt64(t.decisions, v, s.actionSets[i])
+			}
+		}
+	}
+	return nil
 }
 
 func (t *Telemetry) scope(store, scope string) *scopeSets {
@@ -257,7 +319,7 @@ func (t *Telemetry) OnClaim(ctx context.Context, e dedup.ClaimEvent) {
 	if e.Err != nil || o >= len(s.claims) {
 		o = 0
 	}
-	t.claims.Add(ctx, 1, s.claims[o]...)
+	s.claims[o].Add(1)
 	if e.Duration > 0 {
 		t.claimDuration.Record(ctx, e.Duration.Seconds(), t.byStore.Get(scopelabel.Pair{A: e.Store}).claim...)
 	}
@@ -265,13 +327,13 @@ func (t *Telemetry) OnClaim(ctx context.Context, e dedup.ClaimEvent) {
 
 // OnDuplicate implements [dedup.DuplicateHook]: dedup.duplicates.
 func (t *Telemetry) OnDuplicate(ctx context.Context, e dedup.DuplicateEvent) {
-	t.duplicates.Add(ctx, 1, t.scope(e.Store, e.Key.Scope).duplicate...)
+	t.scope(e.Store, e.Key.Scope).duplicate.Add(1)
 }
 
 // OnTakeover implements [dedup.TakeoverHook]: dedup.takeovers, and an
 // event on the current span.
 func (t *Telemetry) OnTakeover(ctx context.Context, e dedup.TakeoverEvent) {
-	t.takeovers.Add(ctx, 1, t.scope(e.Store, e.Key.Scope).takeover...)
+	t.scope(e.Store, e.Key.Scope).takeover.Add(1)
 	if sp := trace.SpanFromContext(ctx); sp.IsRecording() {
 		sp.AddEvent("dedup.takeover", trace.WithAttributes(AttrStore.String(e.Store), AttrAttempt.Int(e.Attempt)))
 	}
@@ -308,6 +370,18 @@ func (t *Telemetry) OnStoreError(ctx context.Context, e dedup.StoreErrorEvent) {
 	t.storeErrors.Add(ctx, 1, metric.WithAttributes(AttrStore.String(e.Store), AttrOp.String(e.Op)))
 }
 
+// OnSweep implements [dedup.SweepHook]: dedup.sweep.deleted and
+// dedup.sweep.duration (by dedup.result ok or error). A pass runs about
+// once a minute, so its attributes are built per call.
+func (t *Telemetry) OnSweep(ctx context.Context, e dedup.SweepEvent) {
+	result := "ok"
+	if e.Err != nil {
+		result = "error"
+	}
+	t.sweepDeleted.Add(ctx, e.Deleted, metric.WithAttributes(AttrStore.String(e.Store)))
+	t.sweepDuration.Record(ctx, e.Duration.Seconds(), metric.WithAttributes(AttrStore.String(e.Store), AttrResult.String(result)))
+}
+
 // Observer returns a decision observer for [consumer.WithObserver] under
 // the consumer group name: dedup.consumer.decisions, and for a duplicate (the handler did
 // not run) a "process" span linked to the producer's span, with
@@ -331,7 +405,7 @@ func (t *Telemetry) Observer(group string) func(*consumer.Message, consumer.Deci
 		ctx := context.Background()
 		s := t.byMessage.Scoped(group, d.Key.Scope, t.scopes)
 		if a >= 0 {
-			t.decisions.Add(ctx, 1, s.action[a]...)
+			s.action[a].Add(1)
 		}
 		if d.Duplicate && m != nil {
 			_, sp := t.startProcess(ctx, group, m, d.Key)

@@ -1,6 +1,9 @@
 package dedupprom
 
 import (
+	"context"
+	"time"
+
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/layered"
 	"github.com/dedupkit/dedup/outbox"
@@ -143,16 +146,13 @@ type BrokerStats struct {
 	Nacked      uint64 // negatively acknowledged (retry, released on shutdown)
 	DeadLetters uint64 // terminated on the broker after a dead letter
 	AckErrors   uint64 // acknowledgements that could not be sent
-	// Lag is the broker's count of messages not yet delivered to this
-	// consumer, or -1 when the broker does not say.
-	Lag int64
 }
 
 // BrokerCollector exports a broker adapter's counts under the labels
 // system ("nats", "rabbitmq", "kafka") and consumer name:
 // broker_fetched_total, broker_acked_total, broker_nacked_total,
-// broker_dead_letters_total, broker_ack_errors_total and, when Lag is not
-// negative, the gauge broker_lag.
+// broker_dead_letters_total and broker_ack_errors_total. The backlog the
+// broker reports is [Metrics.LagCollector]'s.
 func (m *Metrics) BrokerCollector(system, name string, stats func() BrokerStats) prometheus.Collector {
 	ns, cl := m.namespace, m.labels("system", system, "consumer", name)
 	return &statsCollector{
@@ -162,7 +162,6 @@ func (m *Metrics) BrokerCollector(system, name string, stats func() BrokerStats)
 			desc(ns, "broker_nacked_total", "Messages negatively acknowledged (redelivered later).", nil, cl),
 			desc(ns, "broker_dead_letters_total", "Messages terminated on the broker after a dead letter.", nil, cl),
 			desc(ns, "broker_ack_errors_total", "Acknowledgements that could not be sent (the redelivery will be a duplicate).", nil, cl),
-			desc(ns, "broker_lag", "Messages the broker has not delivered to this consumer yet.", nil, cl),
 		},
 		read: func(ch chan<- prometheus.Metric, d []*prometheus.Desc) {
 			s := stats()
@@ -171,8 +170,51 @@ func (m *Metrics) BrokerCollector(system, name string, stats func() BrokerStats)
 			ch <- counterOf(d[2], float64(s.Nacked))
 			ch <- counterOf(d[3], float64(s.DeadLetters))
 			ch <- counterOf(d[4], float64(s.AckErrors))
-			if s.Lag >= 0 {
-				ch <- gaugeOf(d[5], float64(s.Lag))
+		},
+	}
+}
+
+// BrokerLag is a consumer's backlog as its broker reports it, in a
+// broker-neutral form.
+type BrokerLag struct {
+	// Pending counts messages not delivered to this consumer yet: NATS
+	// JetStream's num_pending (dedupnats Consumer.Lag), Kafka's group lag
+	// past its committed offsets (dedupkafka Consumer.Lag: records being
+	// processed count too), RabbitMQ's ready messages (dedupamqp
+	// Consumer.Depth).
+	Pending int64
+	// Unacked counts messages delivered and not acknowledged yet (NATS's
+	// num_ack_pending), or -1 where the broker does not say (Kafka,
+	// RabbitMQ's passive declare).
+	Unacked int64
+}
+
+// LagTimeout bounds each call of a [Metrics.LagCollector]'s function.
+const LagTimeout = 5 * time.Second
+
+// LagCollector exports the backlog the broker reports under the labels
+// system and consumer name: the gauges broker_lag and, when Unacked is not
+// negative, broker_unacked. lag is called at each scrape (a request to
+// the broker) with a context bounded by [LagTimeout]; its error makes the
+// scrape report the two gauges as failed and the rest as usual.
+func (m *Metrics) LagCollector(system, name string, lag func(ctx context.Context) (BrokerLag, error)) prometheus.Collector {
+	ns, cl := m.namespace, m.labels("system", system, "consumer", name)
+	return &statsCollector{
+		descs: []*prometheus.Desc{
+			desc(ns, "broker_lag", "Messages the broker has not delivered to this consumer yet (Kafka: past the committed offsets).", nil, cl),
+			desc(ns, "broker_unacked", "Messages delivered to this consumer and not acknowledged yet, where the broker says.", nil, cl),
+		},
+		read: func(ch chan<- prometheus.Metric, d []*prometheus.Desc) {
+			ctx, cancel := context.WithTimeout(context.Background(), LagTimeout)
+			defer cancel()
+			l, err := lag(ctx)
+			if err != nil {
+				ch <- prometheus.NewInvalidMetric(d[0], err)
+				return
+			}
+			ch <- gaugeOf(d[0], float64(l.Pending))
+			if l.Unacked >= 0 {
+				ch <- gaugeOf(d[1], float64(l.Unacked))
 			}
 		},
 	}

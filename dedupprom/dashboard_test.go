@@ -1,6 +1,7 @@
 package dedupprom_test
 
 import (
+	"context"
 	"encoding/json"
 	"os"
 	"regexp"
@@ -28,6 +29,7 @@ func exported(t *testing.T) map[string]bool {
 		m.RelayCollector("r", func() outbox.Stats { return outbox.Stats{} }, func() (dedupprom.Backlog, error) { return dedupprom.Backlog{}, nil }),
 		m.BrokerCollector("nats", "c", func() dedupprom.BrokerStats { return dedupprom.BrokerStats{} }),
 		m.SweepCollector("s", func() dedupprom.SweepStats { return dedupprom.SweepStats{} }),
+		m.LagCollector("nats", "c", func(context.Context) (dedupprom.BrokerLag, error) { return dedupprom.BrokerLag{}, nil }),
 	}
 	names := map[string]bool{}
 	fq := regexp.MustCompile(`fqName: "([^"]+)"`)

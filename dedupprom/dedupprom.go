@@ -113,6 +113,8 @@ type Metrics struct {
 	decisions, failures, redeliveries *prometheus.CounterVec
 	httpRequests                      *prometheus.CounterVec
 	httpSeconds                       *prometheus.HistogramVec
+	sweepDeleted                      *prometheus.CounterVec
+	sweepSeconds                      *prometheus.HistogramVec
 	collectors                        []prometheus.Collector
 
 	byScope   *scopelabel.Cache[scopeSeries]
@@ -187,9 +189,13 @@ func New(opts ...Option) (*Metrics, error) {
 		redeliveries:  counter("consumer_redeliveries_total", "Messages the broker delivered more than once.", "consumer"),
 		httpRequests:  counter("http_requests_total", "Keyed HTTP requests by handler, class (rejected, store_unavailable, in_progress, key_reused, replayed, stored, released, held) and status code.", "handler", "class", "code"),
 		httpSeconds:   hist("http_request_duration_seconds", "Time from a keyed request's arrival to its key stored, released or held.", "handler", "class"),
+		sweepDeleted:  counter("sweep_rows_deleted_total", "Expired records deleted by sweeper passes (sweep hook).", "store"),
+		sweepSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "sweep_pass_duration_seconds",
+			Help: "Duration of sweeper passes by store and result (ok, error); the count is the passes (sweep hook).", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)}, []string{"store", "result"}),
 	}
 	m.collectors = []prometheus.Collector{m.claims, m.duplicates, m.takeovers, m.finishes, m.storeErrors,
-		m.claimSeconds, m.finishSeconds, m.decisions, m.failures, m.redeliveries, m.httpRequests, m.httpSeconds}
+		m.claimSeconds, m.finishSeconds, m.decisions, m.failures, m.redeliveries, m.httpRequests, m.httpSeconds, m.sweepDeleted, m.sweepSeconds}
 	m.byScope = scopelabel.NewCache(func(p scopelabel.Pair) *scopeSeries {
 		s := &scopeSeries{duplicate: m.duplicates.WithLabelValues(p.A, p.B), takeover: m.takeovers.WithLabelValues(p.A, p.B),
 			claimSeconds: m.claimSeconds.WithLabelValues(p.A)}
@@ -304,6 +310,21 @@ func (m *Metrics) OnFinish(_ context.Context, e dedup.FinishEvent) {
 // OnStoreError implements [dedup.StoreErrorHook]: store_errors_total.
 func (m *Metrics) OnStoreError(_ context.Context, e dedup.StoreErrorEvent) {
 	m.storeErrors.WithLabelValues(e.Store, e.Op).Inc()
+}
+
+// OnSweep implements [dedup.SweepHook]: sweep_rows_deleted_total and
+// sweep_pass_duration_seconds (by result ok or error).
+func (m *Metrics) OnSweep(_ context.Context, e dedup.SweepEvent) {
+	result := "ok"
+	if e.Err != nil {
+		result = "error"
+	}
+	if e.Deleted > 0 {
+		m.sweepDeleted.WithLabelValues(e.Store).Add(float64(e.Deleted))
+	} else {
+		m.sweepDeleted.WithLabelValues(e.Store) // the series exists from the first pass
+	}
+	m.sweepSeconds.WithLabelValues(e.Store, result).Observe(e.Duration.Seconds())
 }
 
 // Observer returns a decision observer for [consumer.WithObserver] that

@@ -296,8 +296,8 @@ func TestScriptedConsumer(t *testing.T) {
 }
 
 // TestScriptedHTTP: a keyed request stored, replayed, reused with another
-// payload (422); a request without a key (400) is not reported by the
-// middleware's WithOnDone.
+// payload (422); a malformed key and a missing key on a Required route
+// are both counted as rejected with 400.
 func TestScriptedHTTP(t *testing.T) {
 	m, reg := newMetrics(t)
 	store, err := memstore.New()
@@ -327,7 +327,7 @@ func TestScriptedHTTP(t *testing.T) {
 	for _, c := range []struct {
 		key, body string
 		want      int
-	}{{"k1", "a", 201}, {"k1", "a", 201}, {"k1", "b", 422}, {"", "a", 400}} {
+	}{{"k1", "a", 201}, {"k1", "a", 201}, {"k1", "b", 422}, {"", "a", 400}, {`"unterminated`, "a", 400}, {strings.Repeat("k", 300), "a", 400}} {
 		if got := send(c.key, c.body); got != c.want {
 			t.Fatalf("%+v: %d", c, got)
 		}
@@ -336,9 +336,8 @@ func TestScriptedHTTP(t *testing.T) {
 	value(t, c.HTTPRequests, 1, "payments", "stored", "201")
 	value(t, c.HTTPRequests, 1, "payments", "replayed", "201")
 	value(t, c.HTTPRequests, 1, "payments", "key_reused", "422")
-	// A request without a key is not a keyed request: WithOnDone does not
-	// see it, so the 400 is not counted here (the proxy counts it).
-	value(t, c.HTTPRequests, 0, "payments", "rejected", "400")
+	// The missing key, the unterminated quote and the oversized key.
+	value(t, c.HTTPRequests, 3, "payments", "rejected", "400")
 	if err := lint(reg); err != nil {
 		t.Error(err)
 	}

@@ -3,13 +3,16 @@
 //
 // A [Metrics] is a prometheus.Collector that implements the root hook
 // interfaces ([dedup.ClaimHook], [dedup.DuplicateHook],
-// [dedup.TakeoverHook], [dedup.FinishHook], [dedup.StoreErrorHook]) and
+// [dedup.TakeoverHook], [dedup.FinishHook], [dedup.StoreErrorHook],
+// [dedup.SweepHook]: pass it to pgstore.SweepOptions.Hooks or
+// sqlitestore.WithSweepHooks) and
 // gives observers for the consumer runtime ([Metrics.Observer]) and the
 // HTTP middleware ([Metrics.HTTPObserver]). Parts that keep their own
 // counters (a layered store, a consumer processor, an outbox relay, a
 // broker adapter, a sweeper) are exported by collectors that read their
-// Stats at each scrape, so nothing is counted twice. Register the Metrics
-// and each collector with a registry; serve it with [Handler].
+// Stats at each scrape, so nothing is counted twice; a broker's backlog is
+// asked of the broker at each scrape ([Metrics.LagCollector]). Register
+// the Metrics and each collector with a registry; serve it with [Handler].
 //
 // # Metrics
 //
@@ -49,7 +52,10 @@
 //	broker_nacked_total                  counter    system, consumer            negatively acknowledged (BrokerCollector)
 //	broker_dead_letters_total            counter    system, consumer            terminated after a dead letter (BrokerCollector)
 //	broker_ack_errors_total              counter    system, consumer            acknowledgements not sent (BrokerCollector)
-//	broker_lag                           gauge      system, consumer            undelivered messages, where the broker says (BrokerCollector)
+//	broker_lag                           gauge      system, consumer            undelivered messages as the broker reports them at the scrape: NATS num_pending, Kafka group lag, RabbitMQ ready messages (LagCollector)
+//	broker_unacked                       gauge      system, consumer            delivered and not acknowledged yet, where the broker says: NATS num_ack_pending (LagCollector)
+//	sweep_rows_deleted_total             counter    store                       expired records deleted, from the sweepers' events (OnSweep)
+//	sweep_pass_duration_seconds          histogram  store, result               sweeper passes by result ok, error: their duration; the count is the passes (OnSweep)
 //	sweep_deleted_total                  counter    store                       expired records deleted (SweepCollector)
 //	sweep_passes_total                   counter    store                       sweeper passes (SweepCollector)
 //	sweep_last_failed                    gauge      store                       1 when the last pass failed (SweepCollector)

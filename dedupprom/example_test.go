@@ -7,6 +7,8 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/dedupamqp"
+	"github.com/dedupkit/dedup/dedupkafka"
 	"github.com/dedupkit/dedup/dedupnats"
 	"github.com/dedupkit/dedup/dedupprom"
 	"github.com/dedupkit/dedup/memstore"
@@ -58,7 +60,8 @@ func Example() {
 }
 
 // Parts that keep their own counters are read at each scrape: map a broker
-// adapter's Stats into BrokerStats, a sweeper's into SweepStats.
+// adapter's Stats into BrokerStats, its reported backlog into BrokerLag, a
+// sweeper's Stats into SweepStats.
 func ExampleMetrics_BrokerCollector() {
 	m, err := dedupprom.New()
 	if err != nil {
@@ -71,7 +74,23 @@ func ExampleMetrics_BrokerCollector() {
 	reg.MustRegister(m.BrokerCollector("nats", "billing", func() dedupprom.BrokerStats {
 		s := c.Stats()
 		return dedupprom.BrokerStats{Fetched: s.Fetched, Acked: s.Acked, Nacked: s.Naked,
-			DeadLetters: s.Terminated, AckErrors: s.AckErrors, Lag: -1}
+			DeadLetters: s.Terminated, AckErrors: s.AckErrors}
+	}))
+
+	// The backlog the broker reports, asked at each scrape.
+	reg.MustRegister(m.LagCollector("nats", "billing", func(ctx context.Context) (dedupprom.BrokerLag, error) {
+		l, err := c.Lag(ctx)
+		return dedupprom.BrokerLag{Pending: int64(l.Pending), Unacked: int64(l.AckPending)}, err
+	}))
+	var kc *dedupkafka.Consumer // from dedupkafka.NewConsumer
+	reg.MustRegister(m.LagCollector("kafka", "billing", func(ctx context.Context) (dedupprom.BrokerLag, error) {
+		l, err := kc.Lag(ctx)
+		return dedupprom.BrokerLag{Pending: l.Total, Unacked: -1}, err
+	}))
+	var ac *dedupamqp.Consumer // from dedupamqp.NewConsumer
+	reg.MustRegister(m.LagCollector("rabbitmq", "billing", func(ctx context.Context) (dedupprom.BrokerLag, error) {
+		d, err := ac.Depth(ctx)
+		return dedupprom.BrokerLag{Pending: int64(d.Ready), Unacked: -1}, err
 	}))
 
 	var job *pgstore.SweepJob // from pgstore.Store's sweeper

@@ -3,6 +3,7 @@ package dedupwatermill
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -154,9 +155,38 @@ type claimKey struct{}
 // a timeout, a failed publish of produced messages after the effect): it
 // should reconcile before acting again.
 func ClaimFrom(ctx context.Context) (dedup.Claim, bool) {
-	c, ok := ctx.Value(claimKey{}).(dedup.Claim)
-	return c, ok
+	if c, ok := ctx.Value(claimKey{}).(*claimCtx); ok {
+		return dedup.Claim{Key: c.key, Outcome: dedup.Acquired, Token: c.token, Attempt: int(c.attempt),
+			TakenOver: c.takenOver, LeaseUntil: c.leaseUntil}, true
+	}
+	return dedup.Claim{}, false
 }
+
+// claimCtx is the handler's context: the message's context with what an
+// acquired claim holds, in one 96-byte allocation (context.WithValue
+// would box the whole 144-byte Claim in a second one).
+type claimCtx struct {
+	context.Context
+	key        dedup.Key
+	token      dedup.Token
+	leaseUntil time.Time
+	attempt    int32 // saturated
+	takenOver  bool
+}
+
+func newClaimCtx(parent context.Context, c dedup.Claim) *claimCtx {
+	return &claimCtx{Context: parent, key: c.Key, token: c.Token, leaseUntil: c.LeaseUntil,
+		attempt: int32(min(c.Attempt, math.MaxInt32)), takenOver: c.TakenOver}
+}
+
+func (c *claimCtx) Value(key any) any {
+	if _, ok := key.(claimKey); ok {
+		return c
+	}
+	return c.Context.Value(key)
+}
+
+func (c *claimCtx) String() string { return "dedupwatermill.claimCtx" }
 
 // Stats returns the counters so far.
 func (m *Middleware) Stats() Stats {
@@ -227,7 +257,7 @@ func (m *Middleware) handle(msg *message.Message, h message.HandlerFunc) (out []
 	}
 	m.stats.acquired.Add(1)
 
-	hctx := context.WithValue(ctx, claimKey{}, c)
+	var hctx context.Context = newClaimCtx(ctx, c)
 	var hb *beat
 	if m.ext != nil {
 		var cancel context.CancelCauseFunc

@@ -547,3 +547,36 @@ func TestHeartbeatRetryAfterFailure(t *testing.T) {
 		t.Fatalf("stats %+v", s)
 	}
 }
+
+// TestClaimFromHandler: the handler's context carries the claim it runs
+// under (key, token, attempt, lease), the one the store issued: Extend
+// with it succeeds; outside a handler there is none.
+func TestClaimFromHandler(t *testing.T) {
+	ctx := context.Background()
+	store, err := memstore.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	mw := newMiddleware(t, store)
+	var got dedup.Claim
+	var ok bool
+	h := mw.Middleware(func(m *message.Message) ([]*message.Message, error) {
+		got, ok = dedupwatermill.ClaimFrom(m.Context())
+		return nil, nil
+	})
+	m := message.NewMessage("claim-from-1", []byte("p"))
+	if _, err := h(m); err != nil {
+		t.Fatal(err)
+	}
+	if !ok || got.Outcome != dedup.Acquired || got.Key.ID != "claim-from-1" || got.Token.IsZero() || got.Attempt != 1 || got.TakenOver || got.LeaseUntil.IsZero() {
+		t.Fatalf("ClaimFrom in the handler = %+v, %v", got, ok)
+	}
+	if _, err := store.Extend(ctx, got, time.Minute); err != nil {
+		t.Fatalf("Extend with the handler's claim: %v (not the store's token)", err)
+	}
+	m.Ack()
+	if _, ok := dedupwatermill.ClaimFrom(ctx); ok {
+		t.Fatal("ClaimFrom outside a handler found a claim")
+	}
+}

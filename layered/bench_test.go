@@ -14,9 +14,11 @@ import (
 	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/layered"
 	"github.com/dedupkit/dedup/pgstore"
+	"github.com/dedupkit/dedup/redisstore"
 	"github.com/dedupkit/dedup/sqlitestore"
 	"github.com/dedupkit/dedup/window"
 	"github.com/jackc/pgx/v5"
+	"github.com/redis/rueidis"
 )
 
 // inboxStep is one delivery of message id through a durable inbox whose
@@ -104,5 +106,166 @@ func BenchmarkDuplicateStreamPostgres(b *testing.B) {
 			_, err := tx.Exec(ctx, insert, id)
 			return nil, err
 		})
+	})
+}
+
+// streamCase is one configuration of a rotated duplicate-stream benchmark:
+// deliver sends one delivery of message id.
+type streamCase struct {
+	name    string
+	deliver inboxStep
+}
+
+// layeredCase puts lay in front of the durable step.
+func layeredCase(name string, lay *layered.Store, durable inboxStep) streamCase {
+	return streamCase{name, func(ctx context.Context, key dedup.Key, id string) (dedup.Claim, error) {
+		return lay.RunInbox(ctx, key, "", time.Hour, func(ctx context.Context) (dedup.Claim, error) { return durable(ctx, key, id) })
+	}}
+}
+
+// rotatedStream runs the 50%-duplicate stream (every message twice in a
+// row) through every case in the same process, interleaved: each
+// iteration gives each case chunk deliveries, starting with a different
+// case each time, so that the machine's load falls on all of them alike.
+// It reports each case's deliveries/s and its ratio to the first case.
+func rotatedStream(b *testing.B, chunk int, cases []streamCase) {
+	ctx := context.Background()
+	prefix := fmt.Sprintf("%08x-", rand.Uint32())
+	took := make([]time.Duration, len(cases))
+	next := make([]int, len(cases))
+	round := 0
+	for b.Loop() {
+		for j := range cases {
+			ci := (round + j) % len(cases)
+			c := cases[ci]
+			start := time.Now()
+			for range chunk {
+				id := prefix + c.name + "-" + strconv.Itoa(next[ci]/2)
+				next[ci]++
+				cl, err := c.deliver(ctx, dedup.Key{Scope: "bench", ID: id}, id)
+				if err != nil || (cl.Outcome != dedup.Acquired && cl.Outcome != dedup.Duplicate) {
+					b.Fatal(c.name, cl.Outcome, err)
+				}
+			}
+			took[ci] += time.Since(start)
+		}
+		round++
+	}
+	base := float64(next[0]) / took[0].Seconds()
+	for i, c := range cases {
+		rate := float64(next[i]) / took[i].Seconds()
+		b.ReportMetric(rate, c.name+"/s")
+		if i > 0 {
+			b.ReportMetric(rate/base, c.name+"/x")
+		}
+	}
+}
+
+// fastLayers returns the layered stores in front of a durable step: the
+// window alone, the window and the Redis filter, and the window and a
+// claiming Redis store (the configuration before the filter).
+func fastLayers(b *testing.B) (winOnly, winFilter, winClaim *layered.Store) {
+	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	mk := func(opts ...layered.Option) *layered.Store {
+		w, err := window.New()
+		if err != nil {
+			b.Fatal(err)
+		}
+		lay, err := layered.New(append(opts, layered.WithWindow(w))...)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { lay.Close() })
+		return lay
+	}
+	claim, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs},
+		redisstore.WithPrefix(fmt.Sprintf("bench-layered-%08x:", rand.Uint32())))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { claim.Close() })
+	return mk(), mk(layered.WithFilter(redisFilter(b, addrs), "redis")), mk(layered.WithFast(claim, "redis"))
+}
+
+// rotatedCases is store alone, window + store, window + Redis filter +
+// store, window + claiming Redis + store, and Redis filter + store
+// without a window (where every duplicate reaches Redis: what a lookup
+// hit saves), for the durable step.
+func rotatedCases(b *testing.B, durable inboxStep) []streamCase {
+	winOnly, winFilter, winClaim := fastLayers(b)
+	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	filterOnly, err := layered.New(layered.WithFilter(redisFilter(b, addrs), "redis"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { filterOnly.Close() })
+	return []streamCase{
+		{"store", durable},
+		layeredCase("window+store", winOnly, durable),
+		layeredCase("window+redisfilter+store", winFilter, durable),
+		layeredCase("window+redisclaim+store", winClaim, durable),
+		layeredCase("redisfilter+store", filterOnly, durable),
+	}
+}
+
+// pgBench opens a PostgreSQL store in a schema of its own with a ledger
+// table, and returns it with the ledger's insert.
+func pgBench(b *testing.B) (*pgstore.Store, string) {
+	ctx := context.Background()
+	schema := fmt.Sprintf("bench_layered_%08x", rand.Uint32())
+	s, err := pgstore.Open(ctx, testenv.PostgresURL(b), pgstore.WithSchema(schema))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		s.Pool().Exec(ctx, `DROP SCHEMA `+schema+` CASCADE`)
+		s.Close()
+	})
+	if _, err := s.Migrate(ctx); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := s.Pool().Exec(ctx, `CREATE TABLE `+schema+`.ledger (msg_id text NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
+	return s, `INSERT INTO ` + schema + `.ledger (msg_id) VALUES ($1)`
+}
+
+// BenchmarkRotated: the 50%-duplicate stream through PostgreSQL's Apply,
+// PostgreSQL's RunInbox and SQLite's RunInbox, each alone and behind the
+// fast layers, the cases interleaved in one process.
+// Run: go test -run '^$' -bench Rotated -benchtime 20x ./layered/
+func BenchmarkRotated(b *testing.B) {
+	b.Run("pg-apply", func(b *testing.B) {
+		s, insert := pgBench(b)
+		rotatedStream(b, 100, rotatedCases(b, func(ctx context.Context, key dedup.Key, id string) (dedup.Claim, error) {
+			var batch pgx.Batch
+			batch.Queue(insert, id)
+			return s.Apply(ctx, key, "", time.Hour, nil, &batch)
+		}))
+	})
+	b.Run("pg-runinbox", func(b *testing.B) {
+		s, insert := pgBench(b)
+		rotatedStream(b, 100, rotatedCases(b, func(ctx context.Context, key dedup.Key, id string) (dedup.Claim, error) {
+			return s.RunInbox(ctx, key, "", time.Hour, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				_, err := tx.Exec(ctx, insert, id)
+				return nil, err
+			})
+		}))
+	})
+	b.Run("sqlite", func(b *testing.B) {
+		s, err := sqlitestore.Open(filepath.Join(b.TempDir(), "bench.db"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { s.Close() })
+		if _, err := s.DB().Exec(`CREATE TABLE ledger (msg_id TEXT NOT NULL)`); err != nil {
+			b.Fatal(err)
+		}
+		rotatedStream(b, 100, rotatedCases(b, func(ctx context.Context, key dedup.Key, id string) (dedup.Claim, error) {
+			return s.RunInbox(ctx, key, "", time.Hour, func(ctx context.Context, tx *sql.Tx) ([]byte, error) {
+				_, err := tx.ExecContext(ctx, `INSERT INTO ledger (msg_id) VALUES (?)`, id)
+				return nil, err
+			})
+		}))
 	})
 }

@@ -32,6 +32,9 @@ type Store struct {
 	// it, so Complete and Release can finish both.
 	seed    maphash.Seed
 	pending [32]pendingShard
+
+	w    *writer // the filter's writer, when there is a filter
+	gate gate    // whether window misses are looked up in the filter
 }
 
 type pendingShard struct {
@@ -53,6 +56,7 @@ type pendingClaim struct {
 type config struct {
 	win         *window.Window
 	fast        dedup.Store
+	filter      Filter
 	durable     dedup.Store
 	fastName    string
 	durableName string
@@ -76,6 +80,22 @@ func WithWindow(w *window.Window) Option { return option(func(c *config) { c.win
 // one, named in hooks and stats. Default none.
 func WithFast(s dedup.Store, name string) Option {
 	return option(func(c *config) { c.fast, c.fastName = s, name })
+}
+
+// WithFilter puts a fast shared filter of completed keys (usually Redis:
+// package layered/redisfilter) between the window and the durable store,
+// named in hooks and stats. Unlike WithFast it never claims: a window
+// miss is looked up (a duplicate found there ends the call), and the
+// durable store decides everything else; a key is written to the filter
+// after the durable store recorded it completed (a completion, an inbox
+// commit or a durable duplicate), from a background goroutine, so a new
+// message pays one lookup at most and never waits for the write. Lookups
+// are made only while they pay (see the package documentation). This is
+// the fast layer to use in front of a durable step that answers in one
+// round trip (pgstore's Apply and RunInbox, sqlitestore's RunInbox) and in
+// front of a lease-mode durable store. Not with WithFast. Default none.
+func WithFilter(f Filter, name string) Option {
+	return option(func(c *config) { c.filter, c.fastName = f, name })
 }
 
 // WithDurable sets the authoritative store for lease mode, named in hooks
@@ -115,8 +135,10 @@ func New(opts ...Option) (*Store, error) {
 		o.apply(&cfg)
 	}
 	switch {
-	case cfg.win == nil && cfg.fast == nil && cfg.durable == nil:
+	case cfg.win == nil && cfg.fast == nil && cfg.filter == nil && cfg.durable == nil:
 		return nil, &dedup.ArgumentError{Arg: "layered store", Reason: "has no layer"}
+	case cfg.fast != nil && cfg.filter != nil:
+		return nil, &dedup.ArgumentError{Arg: "layered store", Reason: "takes a fast store (WithFast) or a filter (WithFilter), not both"}
 	case cfg.clock == nil:
 		return nil, &dedup.ArgumentError{Arg: "clock", Reason: "is nil"}
 	case cfg.inboxLease <= 0:
@@ -129,6 +151,9 @@ func New(opts ...Option) (*Store, error) {
 	s := &Store{cfg: cfg, seed: maphash.MakeSeed()}
 	for i := range s.pending {
 		s.pending[i].m = make(map[pendingKey]pendingClaim)
+	}
+	if cfg.filter != nil {
+		s.startWriter()
 	}
 	return s, nil
 }
@@ -155,6 +180,9 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if c, done := s.early(ctx, key, fp); done {
 		return c, nil
 	}
+	if c, done := s.lookup(ctx, key, fp); done {
+		return c, nil
+	}
 	fc, fastOK := s.claimFast(ctx, key, fp, lease)
 	switch {
 	case fastOK && fc.Outcome == dedup.Duplicate:
@@ -163,9 +191,9 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		s.stats.fastUnsure.Add(1) // the durable store confirms or overrules it
 		fastOK = false
 	}
-	start := s.started()
+	start := s.startDurable()
 	dc, err := s.cfg.durable.Claim(ctx, key, fp, lease)
-	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
+	s.endDurable(ctx, key, dc, err, start)
 	if err != nil {
 		if fastOK {
 			s.releaseFast(ctx, fc)
@@ -181,7 +209,7 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		if !fastOK {
 			fc = dedup.Claim{}
 		}
-		s.remember(dc, fc, fp)
+		s.hold(dc, fc, fp)
 	case dedup.Duplicate:
 		s.stats.durable.Add(1)
 		s.backfill(ctx, key, fp, fc, fastOK, dc.Result, dc.ExpiresAt)
@@ -227,6 +255,63 @@ func (s *Store) early(ctx context.Context, key dedup.Key, fp dedup.Fingerprint) 
 	return dedup.Claim{}, false
 }
 
+// lookup asks the filter about a window miss, when there is a filter and
+// its lookups pay. A completed entry with a matching fingerprint (or any,
+// for a claim without one) is a duplicate, recorded in the window; a
+// miss, a failure, an entry with another or an unknown fingerprint, or an
+// expired one leave the decision to the durable store.
+func (s *Store) lookup(ctx context.Context, key dedup.Key, fp dedup.Fingerprint) (dedup.Claim, bool) {
+	if s.cfg.filter == nil {
+		return dedup.Claim{}, false
+	}
+	if !s.gate.want() {
+		s.stats.lookupsSkipped.Add(1)
+		return dedup.Claim{}, false
+	}
+	s.stats.lookups.Add(1)
+	start := time.Now()
+	v, found, err := s.cfg.filter.Lookup(ctx, key)
+	took := time.Since(start)
+	if err != nil {
+		s.gate.looked(false, took)
+		s.fastFailed(ctx, "lookup", key, err)
+		return dedup.Claim{}, false
+	}
+	var c dedup.Claim
+	hit := false
+	if found {
+		stored, result, expires, ok := decodeEntry(v)
+		hit = ok && (fp == "" || string(stored) == string(fp)) && s.cfg.clock.Now().Before(expires)
+		if hit {
+			c = dedup.Claim{Key: key, Outcome: dedup.Duplicate, ExpiresAt: expires}
+			if len(result) > 0 {
+				c.Result = result
+			}
+			s.stats.fast.Add(1)
+			s.duplicate(ctx, s.cfg.fastName, key)
+			s.addWindow(key, dedup.Fingerprint(stored), result, expires)
+		}
+	}
+	s.gate.looked(hit, took)
+	return c, hit
+}
+
+// startDurable and endDurable time a durable step, for the hooks and for
+// the filter's gate (what a lookup hit saves).
+func (s *Store) startDurable() time.Time {
+	if s.cfg.filter == nil {
+		return s.started()
+	}
+	return time.Now()
+}
+
+func (s *Store) endDurable(ctx context.Context, key dedup.Key, dc dedup.Claim, err error, start time.Time) {
+	if s.cfg.filter != nil && err == nil {
+		s.gate.durable(time.Since(start))
+	}
+	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
+}
+
 // claimFast claims in the fast store. ok is false when there is no fast
 // store or it failed: then the durable store decides alone.
 func (s *Store) claimFast(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, bool) {
@@ -268,6 +353,7 @@ func (s *Store) backfill(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		}
 	}
 	s.addWindow(key, fp, result, expires)
+	s.queueFilter(ctx, key, fp, result, expires)
 }
 
 // Complete implements [dedup.Store]: durable first, then the fast store
@@ -294,7 +380,9 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 		if p.fast.Outcome == dedup.Acquired {
 			s.completeFast(ctx, p.fast, result, retention)
 		}
-		s.addWindow(c.Key, p.fp, result, dedup.Deadline(s.cfg.clock.Now(), retention))
+		exp := dedup.Deadline(s.cfg.clock.Now(), retention)
+		s.addWindow(c.Key, p.fp, result, exp)
+		s.queueFilter(ctx, c.Key, p.fp, result, exp)
 	}
 	return nil
 }
@@ -365,9 +453,12 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	return c2, nil
 }
 
-// Close stops the store; it leaves its layers open (the caller owns them).
+// Close stops the store after sending the filter writes queued so far
+// (each bounded by the cleanup timeout); it leaves its layers open (the
+// caller owns them).
 func (s *Store) Close() error {
 	s.closed.Store(true)
+	s.closeWriter()
 	return nil
 }
 
@@ -376,8 +467,14 @@ func (s *Store) Close() error {
 // closure over sqlitestore's or pgstore's RunInbox with the business
 // handler), which decides. Its Claim is returned as it is, and the faster
 // layers are updated from it: completed (applied or duplicate) keys are
-// recorded in the fast store and the window, anything else releases the
-// fast claim.
+// recorded in the fast store, the filter and the window, anything else
+// releases the fast claim. So durable must return Acquired only after its
+// transaction committed (as those RunInbox functions do): an Acquired
+// returned from inside a transaction that then fails to commit is written
+// to the faster layers as completed, and every instance answers the
+// redelivery as a duplicate until the entry expires. A durable step that
+// returns a duplicate without ExpiresAt gets an expiry of now + retention
+// in the faster layers, which may outlive the durable record.
 func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, retention time.Duration,
 	durable func(ctx context.Context) (dedup.Claim, error)) (dedup.Claim, error) {
 	if err := dedup.ValidateClaim(key, fp, retention); err != nil {
@@ -389,13 +486,16 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if c, done := s.early(ctx, key, fp); done {
 		return c, nil
 	}
+	if c, done := s.lookup(ctx, key, fp); done {
+		return c, nil
+	}
 	fc, fastOK := s.claimFast(ctx, key, fp, s.cfg.inboxLease)
 	if fastOK && fc.Outcome != dedup.Acquired {
 		return s.fastAnswer(key, fp, fc), nil
 	}
-	start := s.started()
+	start := s.startDurable()
 	dc, err := durable(ctx)
-	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
+	s.endDurable(ctx, key, dc, err, start)
 	switch {
 	case err != nil:
 		if fastOK {
@@ -408,7 +508,9 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		} else if fastOK {
 			s.releaseFast(ctx, fc)
 		}
-		s.addWindow(key, fp, dc.Result, dedup.Deadline(s.cfg.clock.Now(), retention))
+		exp := dedup.Deadline(s.cfg.clock.Now(), retention)
+		s.addWindow(key, fp, dc.Result, exp)
+		s.queueFilter(ctx, key, fp, dc.Result, exp)
 	case dc.Outcome == dedup.Duplicate:
 		s.stats.durable.Add(1)
 		exp := dc.ExpiresAt
@@ -507,7 +609,7 @@ func (s *Store) shard(k pendingKey) *pendingShard {
 	return &s.pending[maphash.String(s.seed, k.key.ID)%uint64(len(s.pending))]
 }
 
-func (s *Store) remember(dc, fc dedup.Claim, fp dedup.Fingerprint) {
+func (s *Store) hold(dc, fc dedup.Claim, fp dedup.Fingerprint) {
 	k := pendingKey{dc.Key, dc.Token}
 	sh := s.shard(k)
 	now := s.cfg.clock.Now()
@@ -552,6 +654,8 @@ func decode(b []byte) (fp, result []byte) {
 
 type counters struct {
 	window, bloom, fast, durable, suspected, fastErrors, fastUnsure atomic.Int64
+
+	lookups, lookupsSkipped, filterWrites, filterDropped atomic.Int64
 }
 
 // Stats counts the duplicates each layer caught, Bloom "maybe" answers that
@@ -564,11 +668,23 @@ type Stats struct {
 	// FastUnsure counts fast-store answers of "in progress" or "mismatch"
 	// that Claim passed to the durable store to confirm or overrule.
 	FastUnsure int64
+
+	// With a filter (WithFilter): window misses looked up in it, window
+	// misses not looked up because lookups were not paying, entries
+	// written, and entries dropped because the write queue was
+	// full. Fast counts the filter's duplicates, FastErrors its failures.
+	Lookups, LookupsSkipped, FilterWrites, FilterDropped int64
+	// LookupsPaused is true while lookups are not paying and only probes
+	// are sent.
+	LookupsPaused bool
 }
 
 // Stats returns the counts so far.
 func (s *Store) Stats() Stats {
 	return Stats{Window: s.stats.window.Load(), Bloom: s.stats.bloom.Load(), Fast: s.stats.fast.Load(),
 		Durable: s.stats.durable.Load(), Suspected: s.stats.suspected.Load(), FastErrors: s.stats.fastErrors.Load(),
-		FastUnsure: s.stats.fastUnsure.Load()}
+		FastUnsure: s.stats.fastUnsure.Load(),
+		Lookups:    s.stats.lookups.Load(), LookupsSkipped: s.stats.lookupsSkipped.Load(),
+		FilterWrites: s.stats.filterWrites.Load(), FilterDropped: s.stats.filterDropped.Load(),
+		LookupsPaused: s.cfg.filter != nil && s.gate.isClosed()}
 }

@@ -288,6 +288,8 @@ func TestNewRejectsBadOptions(t *testing.T) {
 		"same names": {layered.WithFast(mem(t, dedup.SystemClock{}), "x"), layered.WithDurable(mem(t, dedup.SystemClock{}), "x")},
 		"zero lease": {layered.WithDurable(mem(t, dedup.SystemClock{}), "d"), layered.WithInboxLease(0)},
 		"nil clock":  {layered.WithDurable(mem(t, dedup.SystemClock{}), "d"), layered.WithClock(nil)},
+		"fast and filter": {layered.WithFast(mem(t, dedup.SystemClock{}), "f"), layered.WithFilter(newMemFilter(), "f2"),
+			layered.WithDurable(mem(t, dedup.SystemClock{}), "d")},
 	} {
 		if _, err := layered.New(opts...); !errors.Is(err, dedup.ErrInvalidArgument) {
 			t.Errorf("%s: %v, want ErrInvalidArgument", name, err)

@@ -64,6 +64,20 @@ type Source interface {
 	Fail(ctx context.Context, l Lease, failures []Failure) error
 }
 
+// A Prefetcher is a [Source] that can read a partition's next batch
+// while the current one is at the broker. FetchNext returns up to limit
+// messages of l.Partition, in Seq order, that [Source.Fetch] would
+// return first once every message of inflight (the batch being
+// published, as Fetch returned it) were marked published; it may return
+// fewer (a row committed late with a Seq below inflight's, or a key cut
+// by such a row, waits for the next Fetch). The relay uses it only after
+// a full batch (a backlog remains) and keeps what it read only when every
+// message of the batch in flight was acknowledged and marked; otherwise
+// it throws it away and reads afresh.
+type Prefetcher interface {
+	FetchNext(ctx context.Context, l Lease, inflight []Message, limit int, skipBlocked bool) ([]Message, error)
+}
+
 // A Notifier is a [Source] that can wake the relay when rows are written
 // (PostgreSQL's LISTEN/NOTIFY). Listen calls wake after each
 // notification until ctx is done (then it returns nil) or its connection

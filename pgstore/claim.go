@@ -3,6 +3,7 @@ package pgstore
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -158,15 +159,28 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	scopes, ids := make([]string, n), make([]string, n)
 	tokens, fps := make([][]byte, n), make([][]byte, n)
 	toks := make([]dedup.Token, len(reqs))
+	// Every token of the batch is the batch's random prefix and then the
+	// key's position in it: unique per key (the prefix is 64 random bits
+	// per batch), and the plain statement tells the records it acquired by
+	// the prefix alone (see plainBatch).
+	prefix := dedup.NewToken()
 	for j, i := range order {
-		toks[i] = dedup.NewToken()
+		copy(toks[i][:8], prefix[:8])
+		binary.BigEndian.PutUint64(toks[i][8:], uint64(j)+1)
 		scopes[j], ids[j] = reqs[i].Key.Scope, reqs[i].Key.ID
 		tokens[j], fps[j] = toks[i][:], fpBytes(reqs[i].Fingerprint)
 	}
-	rowsOf := make([]row, len(reqs)) // indexed like reqs; set for first requests
+	rowsOf := make([]row, len(reqs)) // indexed like reqs; set for first requests with a row
+	hasRow := make([]bool, len(reqs))
 	got := 0
+	// The plain statement returns a row only for a key it did not acquire
+	// with attempt 1, then a summary row (state 0) with the number of keys
+	// it claimed and the lease end of those it acquired; the partitioned
+	// one returns a row for every key.
+	var summary row
+	summarized := false
 	scan := func(rows pgx.Rows) error {
-		var scope, id string
+		var scope, id *string
 		var r row
 		dest := append([]any{&scope, &id}, r.dest()...)
 		for rows.Next() {
@@ -174,11 +188,18 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 			if err := rows.Scan(dest...); err != nil {
 				return err
 			}
-			i, ok := seen[dedup.Key{Scope: scope, ID: id}]
-			if !ok {
-				return fmt.Errorf("the batch returned key %s/%s, which it did not send", scope, id)
+			if r.state == 0 {
+				summary, summarized = r, true
+				continue
 			}
-			rowsOf[i] = r
+			if scope == nil || id == nil {
+				return errors.New("the batch returned a row without a key")
+			}
+			i, ok := seen[dedup.Key{Scope: *scope, ID: *id}]
+			if !ok || hasRow[i] {
+				return fmt.Errorf("the batch returned key %s/%s, which it did not send or sent once", *scope, *id)
+			}
+			rowsOf[i], hasRow[i] = r, true
 			got++
 		}
 		return rows.Err()
@@ -188,12 +209,27 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		err = s.partitionedBatch(ctx, order, reqs, scopes, ids, tokens, fps, micros(lease), scan)
 	} else {
 		var rows pgx.Rows
-		rows, err = s.pool.Query(ctx, s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease))
+		rows, err = s.pool.Query(ctx, s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease), prefix[:8])
 		if err == nil {
 			err = scan(rows)
 			rows.Close()
 			if err == nil {
 				err = rows.Err()
+			}
+		}
+	}
+	if err == nil && summarized {
+		// Every key without a row of its own was acquired with attempt 1.
+		if int(summary.attempts) != n {
+			err = fmt.Errorf("the batch claimed %d keys of %d", summary.attempts, n)
+		}
+		for _, i := range order {
+			if !hasRow[i] {
+				// Its record is the one it sent (a repeat of the key in the
+				// batch reads it), and only the lease end matters while it is
+				// in progress.
+				rowsOf[i] = row{state: stateInProgress, token: toks[i][:], attempts: 1, fingerprint: fpBytes(reqs[i].Fingerprint), leaseUntil: summary.leaseUntil, expiresAt: summary.expiresAt}
+				got++
 			}
 		}
 	}
@@ -338,20 +374,27 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 		c := &items[i].Claim
 		scopes[j], ids[j], tokens[j], results[j] = c.Key.Scope, c.Key.ID, c.Token[:], items[i].Result
 	}
-	done := make([]bool, n)
-	rows, err := s.pool.Query(ctx, s.sql.completeBatch, scopes, ids, tokens, results, micros(retention))
-	if err == nil {
-		var o int64
-		_, err = pgx.ForEachRow(rows, []any{&o}, func() error {
-			if o < 1 || o > int64(n) {
-				return fmt.Errorf("the batch returned item %d of %d", o, n)
-			}
-			done[o-1] = true
-			return nil
-		})
+	var completed int64
+	var lost []int64 // ordinals (from 1) of the distinct items whose tokens lost their records
+	err := s.pool.QueryRow(ctx, s.sql.completeBatch, scopes, ids, tokens, results, micros(retention)).Scan(&completed, &lost)
+	if err == nil && completed+int64(len(lost)) != int64(n) {
+		err = fmt.Errorf("the batch completed %d items and lost %d of %d", completed, len(lost), n)
 	}
 	if err != nil {
 		return nil, s.failAuto(ctx, "complete batch", err)
+	}
+	if len(lost) == 0 {
+		return errs, nil
+	}
+	done := make([]bool, n)
+	for j := range done {
+		done[j] = true
+	}
+	for _, o := range lost {
+		if o < 1 || o > int64(n) {
+			return nil, s.fail(ctx, "complete batch", fmt.Errorf("the batch returned item %d of %d", o, n), false)
+		}
+		done[o-1] = false
 	}
 	pos := make([]int, len(items)) // index in order of each first item
 	for j, i := range order {

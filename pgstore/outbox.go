@@ -23,13 +23,19 @@ func (s *Store) outboxInsert() string {
 VALUES ($1::text, $2::text, $3::text, $4::bytea, $5::text::jsonb)`
 }
 
-// outboxArgs validates msgs, fills their empty IDs and returns the
-// arguments of their INSERTs.
-func outboxArgs(msgs []outbox.Message) ([][]any, error) {
+// withContext prepares a message with the trace headers of ctx
+// ([outbox.SetHeaderInjector]).
+func withContext(ctx context.Context) func(*outbox.Message) error {
+	return func(m *outbox.Message) error { return outbox.PrepareContext(ctx, m) }
+}
+
+// outboxArgs validates msgs and fills their empty IDs with prepare, and
+// returns the arguments of their INSERTs.
+func outboxArgs(prepare func(*outbox.Message) error, msgs []outbox.Message) ([][]any, error) {
 	all := make([][]any, len(msgs))
 	for i := range msgs {
 		m := &msgs[i]
-		if err := outbox.Prepare(m); err != nil {
+		if err := prepare(m); err != nil {
 			return nil, err
 		}
 		headers := "{}"
@@ -51,7 +57,9 @@ func outboxArgs(msgs []outbox.Message) ([][]any, error) {
 
 // WriteOutbox writes msgs to the outbox table in the caller's transaction
 // tx, in one round trip. An empty ID is filled in msgs (the caller's
-// slice) before the write, so the caller can log the IDs. Errors: an
+// slice) before the write, so the caller can log the IDs, and the trace
+// headers of ctx are added when an [outbox.HeaderInjector] is set
+// ([outbox.SetHeaderInjector]). Errors: an
 // [*dedup.ArgumentError] before any I/O; a [*dedup.StoreError] when the
 // write failed (the caller's transaction is then aborted, as after any
 // failed statement: roll it back).
@@ -59,7 +67,7 @@ func (s *Store) WriteOutbox(ctx context.Context, tx pgx.Tx, msgs ...outbox.Messa
 	if tx == nil {
 		return &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
 	}
-	all, err := outboxArgs(msgs)
+	all, err := outboxArgs(withContext(ctx), msgs)
 	if err != nil {
 		return err
 	}
@@ -88,7 +96,7 @@ func (s *Store) WriteOutboxSQL(ctx context.Context, tx *sql.Tx, msgs ...outbox.M
 	if tx == nil {
 		return &dedup.ArgumentError{Arg: "transaction", Reason: "is nil"}
 	}
-	all, err := outboxArgs(msgs)
+	all, err := outboxArgs(withContext(ctx), msgs)
 	if err != nil {
 		return err
 	}
@@ -106,12 +114,23 @@ func (s *Store) WriteOutboxSQL(ctx context.Context, tx *sql.Tx, msgs ...outbox.M
 // QueueOutbox queues the INSERTs of msgs on b, for [Store.Apply]: the
 // outbox rows then commit with the claim and the other writes in Apply's
 // one round trip. It does no I/O; a bad message is an
-// [*dedup.ArgumentError] and nothing is queued.
+// [*dedup.ArgumentError] and nothing is queued. It has no context, so no
+// trace headers are added: see [Store.QueueOutboxContext].
 func (s *Store) QueueOutbox(b *pgx.Batch, msgs ...outbox.Message) error {
+	return s.queueOutbox(outbox.Prepare, b, msgs)
+}
+
+// QueueOutboxContext is [Store.QueueOutbox] that also adds the trace
+// headers of ctx to each message ([outbox.SetHeaderInjector]).
+func (s *Store) QueueOutboxContext(ctx context.Context, b *pgx.Batch, msgs ...outbox.Message) error {
+	return s.queueOutbox(withContext(ctx), b, msgs)
+}
+
+func (s *Store) queueOutbox(prepare func(*outbox.Message) error, b *pgx.Batch, msgs []outbox.Message) error {
 	if b == nil {
 		return &dedup.ArgumentError{Arg: "batch", Reason: "is nil"}
 	}
-	all, err := outboxArgs(msgs)
+	all, err := outboxArgs(prepare, msgs)
 	if err != nil {
 		return err
 	}

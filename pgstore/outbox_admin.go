@@ -6,54 +6,25 @@ import (
 	"time"
 
 	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/outbox"
 	"github.com/jackc/pgx/v5"
 )
 
-// OutboxStatus is the state of the outbox for an operator (`dedup outbox
-// status`).
-type OutboxStatus struct {
-	Backlog     int64         `json:"backlog"`     // unpublished rows, quarantined ones excluded
-	Quarantined int64         `json:"quarantined"` // rows moved aside
-	Published   int64         `json:"published"`   // published rows not yet pruned
-	OldestAge   time.Duration `json:"oldest_age"`  // age of the oldest unpublished row (0: none)
-	// OldestTransaction is the age of the oldest transaction open in this
-	// database that holds a transaction ID: its outbox rows, if any, are
-	// invisible until it ends (it delays them, never loses them).
-	OldestTransaction time.Duration          `json:"oldest_transaction"`
-	Partitions        []OutboxPartitionState `json:"partitions"`
-	Relays            []OutboxRelayState     `json:"relays"`
-}
+// The operator's view of the outbox, shared with sqlitestore
+// ([outbox.Admin]).
+type (
+	// OutboxStatus is the state of the outbox for an operator (`dedup
+	// outbox status`).
+	OutboxStatus = outbox.Status
+	// OutboxPartitionState is one partition's backlog and lease.
+	OutboxPartitionState = outbox.PartitionState
+	// OutboxRelayState is one relay that joined.
+	OutboxRelayState = outbox.RelayState
+	// OutboxRow is one row for `dedup outbox list`.
+	OutboxRow = outbox.Row
+)
 
-// OutboxPartitionState is one partition's backlog and lease.
-type OutboxPartitionState struct {
-	Partition int           `json:"partition"`
-	Backlog   int64         `json:"backlog"`
-	OldestAge time.Duration `json:"oldest_age"` // the partition's lag
-	Owner     string        `json:"owner"`      // "" when free
-	Epoch     int64         `json:"epoch"`
-	LeaseLeft time.Duration `json:"lease_left"` // <= 0: expired
-}
-
-// OutboxRelayState is one relay that joined.
-type OutboxRelayState struct {
-	Relay      string        `json:"relay"`
-	Partitions int           `json:"partitions"`
-	Alive      bool          `json:"alive"`
-	Since      time.Duration `json:"since"` // time since it started
-}
-
-// OutboxRow is one row for `dedup outbox list`.
-type OutboxRow struct {
-	Seq         int64      `json:"seq"`
-	ID          string     `json:"id"`
-	Key         string     `json:"key"`
-	Topic       string     `json:"topic"`
-	Attempts    int        `json:"attempts"`
-	LastError   string     `json:"last_error,omitempty"`
-	CreatedAt   time.Time  `json:"created_at"`
-	Quarantined *time.Time `json:"quarantined_at,omitempty"`
-	Published   *time.Time `json:"published_at,omitempty"`
-}
+var _ outbox.Admin = (*Store)(nil)
 
 // OutboxStatus reads the outbox's state with partitions partitions (the
 // relays' N).
@@ -185,8 +156,9 @@ FROM `+s.names.outbox+` WHERE `+where+` ORDER BY id LIMIT $1`, limit)
 }
 
 // ErrOutboxRowNotFound is returned by [Store.OutboxRetry] and
-// [Store.OutboxDrop] when no quarantined row has that ID.
-var ErrOutboxRowNotFound = errors.New("pgstore: no quarantined outbox row with that message ID")
+// [Store.OutboxDrop] when no quarantined row has that ID: it is
+// [outbox.ErrNoQuarantinedRow].
+var ErrOutboxRowNotFound = outbox.ErrNoQuarantinedRow
 
 // OutboxRetry puts the quarantined row of message id back in line: its
 // attempts restart at 0 and the relay publishes it next (its key's later

@@ -25,8 +25,11 @@ type OutboxSource struct {
 	delete bool
 	sql    outboxSQL
 
-	mu      sync.Mutex
-	indexed bool
+	mu      sync.Mutex // CreateIndex
+	imu     sync.Mutex // indexed, checked (never held across a build)
+	indexed bool       // the partition index exists and is valid
+	checked time.Time  // when indexed was last found false
+	partsAt time.Time  // when Prune last kept the time partitions
 }
 
 type outboxSQL struct {
@@ -34,9 +37,10 @@ type outboxSQL struct {
 }
 
 var (
-	_ outbox.Source   = (*OutboxSource)(nil)
-	_ outbox.Notifier = (*OutboxSource)(nil)
-	_ outbox.Pruner   = (*OutboxSource)(nil)
+	_ outbox.Source     = (*OutboxSource)(nil)
+	_ outbox.Notifier   = (*OutboxSource)(nil)
+	_ outbox.Pruner     = (*OutboxSource)(nil)
+	_ outbox.Prefetcher = (*OutboxSource)(nil)
 )
 
 // An OutboxOption configures [Store.OutboxSource].
@@ -98,16 +102,66 @@ func partOf(n int) string {
 func (o *OutboxSource) CreateIndex(ctx context.Context) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.indexed {
+	o.imu.Lock()
+	done := o.indexed
+	o.imu.Unlock()
+	if done {
 		return nil
 	}
 	name := pgx.Identifier{o.s.names.prefix + "outbox_part" + itoa(o.n)}.Sanitize()
-	_, err := o.s.pool.Exec(ctx, `CREATE INDEX CONCURRENTLY IF NOT EXISTS `+name+` ON `+o.s.names.outbox+
-		` (`+partOf(o.n)+`, id) WHERE published_at IS NULL AND quarantined_at IS NULL`)
+	cols := ` (` + partOf(o.n) + `, id) WHERE published_at IS NULL AND quarantined_at IS NULL`
+	every, err := o.s.OutboxPartitioning(ctx)
+	if err != nil {
+		return err
+	}
+	if every > 0 {
+		return o.createPartitionedIndex(ctx, name, cols)
+	}
+	_, err = o.s.pool.Exec(ctx, `CREATE INDEX CONCURRENTLY IF NOT EXISTS `+name+` ON `+o.s.names.outbox+cols)
 	if err != nil {
 		return o.s.failAuto(ctx, "outbox index", err)
 	}
+	o.setIndexed()
+	return nil
+}
+
+func (o *OutboxSource) setIndexed() {
+	o.imu.Lock()
 	o.indexed = true
+	o.imu.Unlock()
+}
+
+// createPartitionedIndex builds the partition index on a time-partitioned
+// outbox without blocking writers: an index on the parent only (invalid
+// until complete), one built CONCURRENTLY on each partition and attached
+// to it; ranges created later get theirs with their table.
+func (o *OutboxSource) createPartitionedIndex(ctx context.Context, name, cols string) error {
+	ob := o.s.names.outbox
+	if _, err := o.s.pool.Exec(ctx, `CREATE INDEX IF NOT EXISTS `+name+` ON ONLY `+ob+cols); err != nil {
+		return o.s.failAuto(ctx, "outbox index", err)
+	}
+	rows, err := o.s.pool.Query(ctx, `SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass($1) AND NOT EXISTS (SELECT 1 FROM pg_inherits ii JOIN pg_index x ON x.indexrelid = ii.inhrelid
+	WHERE ii.inhparent = to_regclass($2) AND x.indrelid = c.oid)`, ob, o.s.names.qualify("outbox_part"+itoa(o.n)))
+	if err != nil {
+		return o.s.failAuto(ctx, "outbox index", err)
+	}
+	parts, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return o.s.failAuto(ctx, "outbox index", err)
+	}
+	for _, p := range parts {
+		idx := pgx.Identifier{p + "_part" + itoa(o.n)}.Sanitize()
+		pq := pgx.Identifier{o.s.names.schemaName, p}.Sanitize()
+		if _, err := o.s.pool.Exec(ctx, `CREATE INDEX CONCURRENTLY IF NOT EXISTS `+idx+` ON `+pq+cols); err != nil {
+			return o.s.failAuto(ctx, "outbox index", err)
+		}
+		if _, err := o.s.pool.Exec(ctx, `ALTER INDEX `+o.s.names.qualify("outbox_part"+itoa(o.n))+` ATTACH PARTITION `+
+			pgx.Identifier{o.s.names.schemaName, p + "_part" + itoa(o.n)}.Sanitize()); err != nil {
+			return o.s.failAuto(ctx, "outbox index", err)
+		}
+	}
+	o.setIndexed()
 	return nil
 }
 
@@ -144,8 +198,15 @@ ON CONFLICT (part) DO UPDATE SET
 WHERE l.owner = EXCLUDED.owner OR l.expires_at <= ` + now + `
 RETURNING epoch, expires_at`,
 		release: `UPDATE ` + leases + ` SET owner = '', expires_at = '-infinity' WHERE part = $1::int AND owner = $2::text AND epoch = $3::int8`,
-		fetch: `SELECT o.id, o.message_key, o.aggregate, o.topic, o.payload, o.headers::text, o.created_at, o.attempts,
-	COALESCE(o.next_attempt_at > ` + now + `, false)
+		// $4: rows with id <= $4 come without their body (they are the
+		// batch in flight, or late rows that only cut their keys); 0 for a
+		// plain read.
+		fetch: `SELECT o.id, o.aggregate, o.id <= $4::int8,
+	CASE WHEN o.id > $4::int8 THEN o.message_key ELSE '' END,
+	CASE WHEN o.id > $4::int8 THEN o.topic ELSE '' END,
+	CASE WHEN o.id > $4::int8 THEN o.payload END,
+	CASE WHEN o.id > $4::int8 THEN o.headers::text ELSE '{}' END,
+	o.created_at, o.attempts, COALESCE(o.next_attempt_at > ` + now + `, false)
 FROM ` + ob + ` o
 WHERE o.published_at IS NULL AND o.quarantined_at IS NULL AND ` + strings.ReplaceAll(partOf(n), "aggregate", "o.aggregate") + ` = $1::int8
 	AND ($3::bool OR NOT EXISTS (SELECT 1 FROM ` + ob + ` q
@@ -227,48 +288,119 @@ func (o *OutboxSource) Release(ctx context.Context, l outbox.Lease) error {
 
 // Fetch implements [outbox.Source].
 func (o *OutboxSource) Fetch(ctx context.Context, l outbox.Lease, limit int, skipBlocked bool) ([]outbox.Message, error) {
+	return o.fetch(ctx, l, nil, limit, skipBlocked)
+}
+
+// FetchNext implements [outbox.Prefetcher]: the same read as Fetch, in
+// which the rows up to inflight's last Seq come without their bodies;
+// those of inflight are passed over, any other one (committed late, or
+// waiting for its retry time) cuts its key.
+func (o *OutboxSource) FetchNext(ctx context.Context, l outbox.Lease, inflight []outbox.Message, limit int, skipBlocked bool) ([]outbox.Message, error) {
+	return o.fetch(ctx, l, inflight, limit, skipBlocked)
+}
+
+// hasIndex reports whether the partition index of this N exists and is
+// valid; a negative answer is kept for 10 seconds.
+func (o *OutboxSource) hasIndex(ctx context.Context) bool {
+	o.imu.Lock()
+	defer o.imu.Unlock()
+	if o.indexed || time.Since(o.checked) < 10*time.Second {
+		return o.indexed
+	}
+	o.checked = time.Now()
+	name := o.s.names.qualify("outbox_part" + itoa(o.n))
+	var ok bool
+	err := o.s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indisvalid AND indisready)`, name).Scan(&ok)
+	o.indexed = err == nil && ok
+	return o.indexed
+}
+
+func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []outbox.Message, limit int, skipBlocked bool) ([]outbox.Message, error) {
 	if err := o.s.begin(ctx, "outbox fetch"); err != nil {
 		return nil, err
 	}
-	// Without the partition index ([OutboxSource.CreateIndex]) the
-	// planner prices the scan, which stops after limit rows, as a walk of
-	// the whole backlog, and PostgreSQL would JIT-compile it: tens of
-	// milliseconds per read. The read runs in a read-only transaction with
-	// JIT off, in the same round trip.
-	var b pgx.Batch
-	b.Queue(`BEGIN READ ONLY`)
-	b.Queue(`SET LOCAL jit = off`)
-	b.Queue(o.sql.fetch, l.Partition, limit, skipBlocked)
-	b.Queue(`COMMIT`)
-	br := o.s.pool.SendBatch(ctx, &b)
-	defer br.Close()
-	for range 2 {
-		if _, err := br.Exec(); err != nil {
+	var after int64
+	if len(inflight) > 0 {
+		after = inflight[len(inflight)-1].Seq
+	}
+	args := []any{l.Partition, limit + len(inflight), skipBlocked, after}
+	var rows pgx.Rows
+	if o.hasIndex(ctx) {
+		// With the partition index a read is one index range: one
+		// statement.
+		var err error
+		if rows, err = o.s.pool.Query(ctx, o.sql.fetch, args...); err != nil {
 			return nil, o.s.failAuto(ctx, "outbox fetch", err)
 		}
-	}
-	rows, err := br.Query()
-	if err != nil {
-		return nil, o.s.failAuto(ctx, "outbox fetch", err)
+	} else {
+		// Without it ([OutboxSource.CreateIndex]) the planner prices the
+		// scan, which stops after limit rows, as a walk of the whole
+		// backlog, and PostgreSQL would JIT-compile it: tens of
+		// milliseconds per read. The read then runs in a read-only
+		// transaction with JIT off, in the same round trip.
+		var b pgx.Batch
+		b.Queue(`BEGIN READ ONLY`)
+		b.Queue(`SET LOCAL jit = off`)
+		b.Queue(o.sql.fetch, args...)
+		b.Queue(`COMMIT`)
+		br := o.s.pool.SendBatch(ctx, &b)
+		defer br.Close()
+		for range 2 {
+			if _, err := br.Exec(); err != nil {
+				return nil, o.s.failAuto(ctx, "outbox fetch", err)
+			}
+		}
+		var err error
+		if rows, err = br.Query(); err != nil {
+			return nil, o.s.failAuto(ctx, "outbox fetch", err)
+		}
 	}
 	defer rows.Close()
-	var out []outbox.Message
+	out := make([]outbox.Message, 0, min(limit, 64))
 	var later map[string]bool
+	cut := func(k string) {
+		// This key waits: none of its later rows may overtake the row
+		// that cut it.
+		if later == nil {
+			later = map[string]bool{}
+		}
+		later[k] = true
+	}
+	next := 0 // the next message of inflight, which is in Seq order
+	var (
+		seq            int64
+		key, id, topic string
+		ahead, notDue  bool
+		payload        []byte
+		headers        string
+		created        time.Time
+		attempts       int
+	)
 	for rows.Next() {
-		var m outbox.Message
-		var headers string
-		var notDue bool
-		if err := rows.Scan(&m.Seq, &m.ID, &m.Key, &m.Topic, &m.Payload, &headers, &m.CreatedAt, &m.Attempts, &notDue); err != nil {
+		payload = nil
+		if err := rows.Scan(&seq, &key, &ahead, &id, &topic, &payload, &headers, &created, &attempts, &notDue); err != nil {
 			return nil, o.s.failAuto(ctx, "outbox fetch", err)
 		}
-		if notDue || later[m.Key] {
-			// This key waits for its row's retry time: none of its later
-			// rows may overtake it.
-			if later == nil {
-				later = map[string]bool{}
+		if ahead {
+			for next < len(inflight) && inflight[next].Seq < seq {
+				next++
 			}
-			later[m.Key] = true
+			if next < len(inflight) && inflight[next].Seq == seq {
+				continue // in flight: it goes before everything read here
+			}
+			cut(key) // committed late below the batch, or not due
 			continue
+		}
+		if notDue || later[key] {
+			cut(key)
+			continue
+		}
+		if len(out) == limit {
+			break
+		}
+		m := outbox.Message{Seq: seq, ID: id, Key: key, Topic: topic, Payload: payload, CreatedAt: created, Attempts: attempts}
+		if m.Payload == nil {
+			m.Payload = []byte{}
 		}
 		if headers != "{}" {
 			if err := json.Unmarshal([]byte(headers), &m.Headers); err != nil {
@@ -367,13 +499,34 @@ func (o *OutboxSource) Listen(ctx context.Context, wake func()) error {
 
 // Prune implements [outbox.Pruner]: it deletes up to limit rows published
 // more than olderThan ago, oldest first, in one statement, and returns how
-// many. It never deletes an unpublished row.
+// many. It never deletes an unpublished row. When the outbox table is
+// partitioned by time ([Store.PartitionOutbox]) it first, at most every
+// 10 seconds, creates the ranges ahead and drops the partitions whose rows
+// were all published more than olderThan ago
+// ([Store.DropPublishedOutboxPartitions]; their rows are not counted in
+// the result).
 func (o *OutboxSource) Prune(ctx context.Context, olderThan time.Duration, limit int) (int, error) {
 	if limit <= 0 {
 		return 0, &dedup.ArgumentError{Arg: "prune limit", Reason: "must be positive"}
 	}
 	if err := o.s.begin(ctx, "outbox prune"); err != nil {
 		return 0, err
+	}
+	o.imu.Lock()
+	due := time.Since(o.partsAt) >= 10*time.Second
+	if due {
+		o.partsAt = time.Now()
+	}
+	o.imu.Unlock()
+	if due {
+		if _, err := o.s.EnsureOutboxPartitions(ctx); err != nil {
+			return 0, err
+		}
+		if dropped, err := o.s.DropPublishedOutboxPartitions(ctx, olderThan); err != nil {
+			return 0, err
+		} else if len(dropped) > 0 {
+			o.s.logger().InfoContext(ctx, "dedup outbox partitions dropped", "partitions", dropped)
+		}
 	}
 	ob := o.s.names.outbox
 	tag, err := o.s.pool.Exec(ctx, `DELETE FROM `+ob+` WHERE id IN (SELECT id FROM `+ob+`

@@ -170,14 +170,36 @@ RETURNING ` + ret
 }
 
 // plainBatch claims the keys of four parallel arrays ($1 scopes, $2 ids,
-// $3 tokens, $4 fingerprints; $5 lease) in one statement. The keys must
-// be distinct: PostgreSQL refuses to update one row twice in a statement.
+// $3 tokens, $4 fingerprints; $5 lease; $6 the batch's token prefix) in
+// one statement. The keys must be distinct: PostgreSQL refuses to update
+// one row twice in a statement. It inserts in array order, so keys sorted
+// by the caller are locked in that order.
+//
+// Most keys of a batch are new, and all the caller needs to know of a key
+// it acquired with attempt 1 is its lease end, the same for every key of
+// the statement. Every token of a batch starts with the batch's random
+// 8-byte prefix ($6), so a row whose token starts with it was written by
+// this statement and acquired. The statement returns the full row only of
+// the other keys (held, completed, mismatched, or taken over with attempt
+// > 1), and then one summary row (state 0) with the number of keys it
+// claimed (attempts) and that lease end (lease_until and expires_at): a
+// batch of new keys comes back as one row, and the rows it inserts are
+// not copied into the CTE's store (a NULL stands for each).
 func plainBatch(n *names, k kind) string {
-	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
-SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
-` + upsertSet() + `
-RETURNING r.scope, r.id, r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
+	easy := `(substr(r.token, 1, 8) = $6::bytea AND r.attempts = 1)`
+	// The deadlines are the same for every row: uncorrelated subqueries,
+	// which the server evaluates once per statement.
+	k.leaseUntil, k.expiresAt = `(SELECT `+k.leaseUntil+`)`, `(SELECT `+k.expiresAt+`)`
+	return `WITH ins AS (
+	INSERT INTO ` + n.records + ` AS r ` + columns + `
+	SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `
+	FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
+	` + upsertSet() + `
+	RETURNING ` + easy + ` AS easy, CASE WHEN ` + easy + ` THEN NULL ELSE r END AS rec)
+SELECT (rec).scope, (rec).id, (rec).state, (rec).token, (rec).attempts, (rec).fingerprint, (rec).result, (rec).lease_until, (rec).expires_at
+FROM ins WHERE NOT easy
+UNION ALL
+SELECT NULL, NULL, 0::int2, NULL, count(*)::int4, NULL, NULL, ` + k.leaseUntil + `, ` + k.leaseUntil + ` FROM ins`
 }
 
 // partitionedUpsert is the claim on the partitioned table, for the keys of
@@ -286,8 +308,10 @@ RETURNING r.attempts, r.lease_until, r.expires_at`,
 	state      = 2
 WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
 		// CompleteBatch: complete for each (scope, id, token, result) of
-		// four parallel arrays; returns the ordinal of each item whose
-		// token owns its record. The items must be distinct and sorted by
+		// four parallel arrays; returns one row: how many items' tokens own
+		// their records, and the ordinals of the items whose do not (empty
+		// in the common case, so that a batch comes back as one short row
+		// whatever its size). The items must be distinct and sorted by
 		// key. Locks are taken in that order by construction, whatever
 		// plan the server picks for the update (on a fresh table, a hash
 		// join over a sequential scan visits rows in heap order): the CTE
@@ -299,18 +323,23 @@ WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
 		// update reads a single row. The update then only visits rows it
 		// holds already. A row changed by another transaction after the
 		// statement began is updated in its latest version (PostgreSQL
-		// re-checks the WHERE clause on it), as before.
+		// re-checks the WHERE clause on it), as before. The scopes'
+		// retention windows are joined once, not looked up per item.
 		completeBatch: `WITH l AS MATERIALIZED (
 	SELECT count(*) AS n FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, token)
 	CROSS JOIN LATERAL (
-		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x)
-UPDATE ` + table + ` r SET
+		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x),
+d AS (
+	UPDATE ` + table + ` r SET
 	result     = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
-	expires_at = CASE WHEN r.state = 1 THEN ` + deadline(now+` + `+retentionFor(n, "u.scope", "$5")) + ` ELSE r.expires_at END,
+	expires_at = CASE WHEN r.state = 1 THEN ` + deadline(now+` + GREATEST(`+usec("$5::int8")+`, COALESCE(u.keep, interval '0'))`) + ` ELSE r.expires_at END,
 	state      = 2
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
-WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
-RETURNING u.o`,
+	FROM (SELECT u.*, w.retention AS keep
+		FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
+		LEFT JOIN ` + n.retention + ` w ON w.scope = u.scope) u
+	WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
+	RETURNING u.o)
+SELECT (SELECT count(*) FROM d), ARRAY(SELECT generate_series(1, cardinality($1::text[]))::int8 EXCEPT ALL SELECT o FROM d)`,
 		release: `DELETE FROM ` + table + ` WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1`,
 		extend: `UPDATE ` + table + ` SET lease_until = ` + deadline(now+` + `+usec("$4::int8")) + `,
 	expires_at = ` + deadline(now+` + `+usec("($4::int8 + "+strconv.FormatInt(grace, 10)+")")) + `

@@ -211,6 +211,12 @@ type SweepOptions struct {
 	// OnPass, if set, is called after every pass with what it did and its
 	// error (nil on success), from the job's goroutine.
 	OnPass func(SweepResult, error)
+	// Hooks receive a [dedup.SweepEvent] after every pass (rows deleted,
+	// batches, the pass's duration and error), for a metrics adapter
+	// (dedupprom, dedupotel). Default none.
+	Hooks []dedup.Hook
+	// Name is the Store of those events. Default "postgres".
+	Name string
 
 	// clock times the batches and waits out the pauses; nil is the wall
 	// clock. Set by tests only.
@@ -228,6 +234,8 @@ type SweepJob struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 	once   sync.Once
+
+	hooks dedup.Hooks
 
 	mu     sync.Mutex
 	total  SweepResult
@@ -268,8 +276,11 @@ func (s *Store) StartSweeping(opts SweepOptions) (*SweepJob, error) {
 	case math.IsNaN(opts.PauseRatio) || math.IsInf(opts.PauseRatio, 0):
 		return nil, &dedup.ArgumentError{Arg: "sweep pause ratio", Reason: "must be a finite number"}
 	}
+	if opts.Name == "" {
+		opts.Name = "postgres"
+	}
 	ctx, cancel := context.WithCancel(context.Background())
-	j := &SweepJob{store: s, opts: opts, cancel: cancel, done: make(chan struct{})}
+	j := &SweepJob{store: s, opts: opts, cancel: cancel, done: make(chan struct{}), hooks: dedup.NewHooks(opts.Hooks...)}
 	s.mu.Lock()
 	if s.closed.Load() {
 		s.mu.Unlock()
@@ -308,6 +319,7 @@ func (j *SweepJob) run(ctx context.Context) {
 		if j.opts.OnPass != nil {
 			j.opts.OnPass(r, err)
 		}
+		j.hooks.Swept(context.WithoutCancel(ctx), dedup.SweepEvent{Store: j.opts.Name, Deleted: int64(r.Deleted), Batches: r.Batches, Duration: r.Elapsed, Err: err})
 		t.Reset(j.opts.Interval)
 	}
 }

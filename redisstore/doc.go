@@ -8,10 +8,29 @@
 // release, extend) is one Lua script on one key: one round trip, atomic on
 // the server, timed by the server's clock (TIME), so consumers with skewed
 // clocks agree on when a lease ends. Scripts are sent by SHA (EVALSHA) and
-// resent whole only when a server answers NOSCRIPT. A record is a hash
-// holding state, owner token, fingerprint, attempt count, deadline and
-// result; its TTL is the lease plus a take-over hold while in progress and
-// exactly the retention once completed. Concurrent calls from many
+// resent whole only when a server answers NOSCRIPT. A record is one
+// string with a fixed 28-byte header (state, owner token, hold or expiry,
+// attempt count, fingerprint code), the fingerprint (a SHA-256 one as its
+// 32 raw bytes) and the result; its TTL is the lease plus a take-over hold
+// while in progress and exactly the retention once completed. A completed
+// record with a SHA-256 fingerprint and a 32-byte result is 92 bytes, and
+// about 200 bytes of Redis memory with its key (MEMORY USAGE;
+// docs/benchmarks.md). The scripts fence a call by comparing the token at
+// its fixed offset and complete a record by copying its header's tail,
+// without decoding it.
+//
+// # Upgrading from the text records
+//
+// Versions before the binary layout wrote the same fields as text. This
+// version reads both: a completed text record is a duplicate (or a
+// mismatch) until it expires, an in-progress one is in progress until its
+// lease ends and is then taken over in the binary layout, so a rolling
+// upgrade neither loses a record nor lets a duplicate through
+// (TestTextRecordsStayReadable). The older version does not read the
+// binary layout: while both run, an old process that meets a new record
+// fails closed with a store error (the message is redelivered, nothing is
+// lost or applied twice), and its fenced calls on a new record report a
+// lost lease. Finish the rollout before relying on old processes. Concurrent calls from many
 // goroutines share connections and are pipelined by the client, so they
 // are coalesced into shared round trips while a lone caller pays no extra
 // latency. ClaimBatch sends the first command of every claim in one
@@ -37,6 +56,9 @@
 // a durable store (PostgreSQL or SQLite with the transactional inbox) in
 // the layered deduplicator, where a Redis miss falls through to the durable
 // record. Set maxmemory-policy to noeviction on a Redis that holds claims.
+// [WithReplicaAck] makes each completion wait for replicas (WAIT) and fail
+// closed when they do not answer in time; that narrows the failover window
+// but does not close it (WAIT is not consensus: see the option).
 //
 // # Failures
 //

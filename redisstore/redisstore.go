@@ -9,6 +9,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -31,11 +32,16 @@ type Store struct {
 	claim, complete, release, extend *script
 	completeMany                     *script
 	cluster                          bool // keys of one script must share a slot
+
+	ackReplicas int64 // WAIT for this many replicas after a completion (0: no WAIT)
+	ackTimeout  int64 // ms
 }
 
 type config struct {
-	prefix string
-	hold   time.Duration
+	prefix      string
+	hold        time.Duration
+	ackReplicas int
+	ackTimeout  time.Duration
 }
 
 // Option configures a Store.
@@ -55,13 +61,59 @@ func WithPrefix(p string) Option { return option(func(c *config) { c.prefix = p 
 // and the next claim starts again at attempt 1. Default 1h.
 func WithTakeoverHold(d time.Duration) Option { return option(func(c *config) { c.hold = d }) }
 
+// WithReplicaAck makes Complete and CompleteBatch wait, after writing the
+// completed records, until at least replicas replicas of the server that
+// holds each key have acknowledged the write (Redis WAIT replicas
+// timeout, sent on the connection that wrote). If fewer acknowledge within
+// timeout, the call returns a [*dedup.StoreError] wrapping a
+// [*ReplicaAckError]: the record is completed on the master but may not
+// survive a failover, so the caller fails closed (does not ack); the
+// redelivery then finds the completed record (a duplicate, acked) or, if
+// the master was lost, claims again. Default: no WAIT (a completion
+// returns once the master has it).
+//
+// What it promises: a completion reported without error was in the
+// memory of the master and of at least replicas replicas. What it does
+// not: replication stays asynchronous and WAIT is not consensus. A failover
+// may still promote a replica that had not acknowledged (Redis Sentinel
+// and Cluster pick by replication offset, usually but not always the most
+// up to date), replicas acknowledge what they received, not what they
+// persisted, and a write acknowledged by every replica is lost if all of
+// them restart without persistence. Claims are not waited for: a lost
+// claim costs a second run only if its lease was also lost, which the
+// durable layer of the layered store covers. Each completion then holds a
+// connection of its own (WAIT blocks it) instead of sharing the
+// auto-pipelined ones; docs/benchmarks.md measures the cost. replicas must
+// be at least 1 and timeout at least 1ms (WAIT 0 would block forever).
+func WithReplicaAck(replicas int, timeout time.Duration) Option {
+	return option(func(c *config) { c.ackReplicas, c.ackTimeout = replicas, timeout })
+}
+
 func defaultConfig() config { return config{prefix: "dedup:", hold: time.Hour} }
 
 func (c *config) validate() error {
 	if c.hold < time.Millisecond {
 		return &dedup.ArgumentError{Arg: "redisstore takeover hold", Reason: "must be at least 1ms"}
 	}
+	if c.ackReplicas < 0 || c.ackReplicas == 0 && c.ackTimeout != 0 {
+		return &dedup.ArgumentError{Arg: "redisstore replica ack", Reason: "replicas must be at least 1"}
+	}
+	if c.ackReplicas > 0 && c.ackTimeout < time.Millisecond {
+		return &dedup.ArgumentError{Arg: "redisstore replica ack timeout", Reason: "must be at least 1ms"}
+	}
 	return nil
+}
+
+// ReplicaAckError is the cause of a completion's [*dedup.StoreError] when
+// fewer replicas than [WithReplicaAck] asked for acknowledged the write
+// within its timeout. The record is completed on the master.
+type ReplicaAckError struct {
+	Want, Acked int64
+}
+
+func (e *ReplicaAckError) Error() string {
+	return "redisstore: " + strconv.FormatInt(e.Acked, 10) + " of " + strconv.FormatInt(e.Want, 10) +
+		" replicas acknowledged the completion within the timeout (WAIT); it is on the master but may not survive a failover"
 }
 
 // Open connects to Redis with the given rueidis options and returns a store
@@ -107,6 +159,8 @@ func New(c rueidis.Client, opts ...Option) (*Store, error) {
 
 		completeMany: newScript(completeManyScript),
 		cluster:      c.Mode() == rueidis.ClientModeCluster,
+		ackReplicas:  int64(cfg.ackReplicas),
+		ackTimeout:   cfg.ackTimeout.Milliseconds(),
 	}, nil
 }
 
@@ -239,24 +293,25 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	}
 	tok := dedup.NewToken()
 	rk := s.RedisKey(key)
-	c, inProgress, err := s.firstResult(key, tok, fp, lease, s.client.Do(ctx, s.setNX(rk, &tok, fp, lease)))
+	fpEnc := encodeFP(fp)
+	c, inProgress, err := s.firstResult(key, tok, fpEnc, lease, s.client.Do(ctx, s.setNX(rk, &tok, fpEnc, lease)))
 	if err != nil || !inProgress {
 		return c, err
 	}
-	return s.claimResult(key, tok, s.claim.exec(ctx, s.client, []string{rk}, s.claimArgs(tok, fp, lease)))
+	return s.claimResult(key, tok, s.claim.exec(ctx, s.client, []string{rk}, s.claimArgs(tok, fpEnc, lease)))
 }
 
 // setNX is the first command of a claim: create the record with attempt 1
 // unless the key exists, and return what it held.
-func (s *Store) setNX(rk string, tok *dedup.Token, fp dedup.Fingerprint, lease time.Duration) rueidis.Completed {
+func (s *Store) setNX(rk string, tok *dedup.Token, fpEnc string, lease time.Duration) rueidis.Completed {
 	ms := max(lease.Milliseconds(), 1) + s.hold
-	return s.client.B().Set().Key(rk).Value(recordHead((*[16]byte)(tok), s.hold, string(fp))).Nx().Get().PxMilliseconds(ms).Build()
+	return s.client.B().Set().Key(rk).Value(recordHead((*[16]byte)(tok), s.hold, fpEnc)).Nx().Get().PxMilliseconds(ms).Build()
 }
 
 // firstResult reads the reply of setNX. inProgress is set when the key
 // holds an in-progress record with a matching fingerprint, which only the
 // claim script can decide.
-func (s *Store) firstResult(key dedup.Key, tok dedup.Token, fp dedup.Fingerprint, lease time.Duration, res rueidis.RedisResult) (c dedup.Claim, inProgress bool, err error) {
+func (s *Store) firstResult(key dedup.Key, tok dedup.Token, fpEnc string, lease time.Duration, res rueidis.RedisResult) (c dedup.Claim, inProgress bool, err error) {
 	v, err := res.ToString()
 	if rueidis.IsRedisNil(err) {
 		return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: tok, Attempt: 1, LeaseUntil: dedup.Deadline(time.Now(), lease)}, false, nil
@@ -268,7 +323,7 @@ func (s *Store) firstResult(key dedup.Key, tok dedup.Token, fp dedup.Fingerprint
 	switch {
 	case !ok:
 		return dedup.Claim{}, false, s.fail("claim", errors.New("key "+s.RedisKey(key)+" holds a value this store did not write"))
-	case !fp.Matches(dedup.Fingerprint(r.fp)):
+	case !fpMatches(fpEnc, r.fpEnc):
 		return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, false, nil
 	case r.completed:
 		c = dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt), ExpiresAt: time.UnixMilli(r.n)}
@@ -280,8 +335,8 @@ func (s *Store) firstResult(key dedup.Key, tok dedup.Token, fp dedup.Fingerprint
 	return dedup.Claim{}, true, nil
 }
 
-func (s *Store) claimArgs(tok dedup.Token, fp dedup.Fingerprint, lease time.Duration) []string {
-	return []string{recordHead((*[16]byte)(&tok), s.hold, string(fp)), string(tok[:]), ms(lease), s.holdArg, string(fp)}
+func (s *Store) claimArgs(tok dedup.Token, fpEnc string, lease time.Duration) []string {
+	return []string{recordHead((*[16]byte)(&tok), s.hold, fpEnc), string(tok[:]), ms(lease), s.holdArg, fpEnc}
 }
 
 func (s *Store) claimResult(key dedup.Key, tok dedup.Token, res rueidis.RedisResult) (dedup.Claim, error) {
@@ -344,16 +399,18 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	}
 	toks := make([]dedup.Token, len(reqs))
 	keys := make([]string, len(reqs))
+	fps := make([]string, len(reqs))
 	cmds := make(rueidis.Commands, len(reqs))
 	for i, r := range reqs {
 		toks[i] = dedup.NewToken()
 		keys[i] = s.RedisKey(r.Key)
-		cmds[i] = s.setNX(keys[i], &toks[i], r.Fingerprint, lease)
+		fps[i] = encodeFP(r.Fingerprint)
+		cmds[i] = s.setNX(keys[i], &toks[i], fps[i], lease)
 	}
 	out := make([]dedup.Claim, len(reqs))
 	var pending []int // in progress: the claim script decides
 	for i, res := range s.client.DoMulti(ctx, cmds...) {
-		c, inProgress, err := s.firstResult(reqs[i].Key, toks[i], reqs[i].Fingerprint, lease, res)
+		c, inProgress, err := s.firstResult(reqs[i].Key, toks[i], fps[i], lease, res)
 		if err != nil {
 			return nil, err
 		}
@@ -369,7 +426,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	// is decided after its first occurrence acquired it.
 	pkeys, args := make([]string, len(pending)), make([][]string, len(pending))
 	for j, i := range pending {
-		pkeys[j], args[j] = keys[i], s.claimArgs(toks[i], reqs[i].Fingerprint, lease)
+		pkeys[j], args[j] = keys[i], s.claimArgs(toks[i], fps[i], lease)
 	}
 	for j, res := range s.claim.execMulti(ctx, s.client, pkeys, args) {
 		i := pending[j]
@@ -390,8 +447,15 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	if err := s.begin(ctx, "complete"); err != nil {
 		return err
 	}
-	res := s.complete.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), string(result), ms(retention)})
-	return s.fenced("complete", res)
+	cl := call{s.complete, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), string(result), ms(retention)}}
+	if s.ackReplicas > 0 {
+		res, ackErr := s.execAcked(ctx, []call{cl})
+		if err := s.fenced("complete", res[0]); err != nil || ackErr[0] == nil {
+			return err
+		}
+		return s.fail("complete", ackErr[0])
+	}
+	return s.fenced("complete", cl.sc.exec(ctx, s.client, cl.keys, cl.args))
 }
 
 // CompleteBatch implements [dedup.BatchCompleter] in one pipeline: the
@@ -425,8 +489,15 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 		}
 		calls[g] = call{s.completeMany, ks, args}
 	}
+	var results []rueidis.RedisResult
+	var ackErrs []error
+	if s.ackReplicas > 0 {
+		results, ackErrs = s.execAcked(ctx, calls)
+	} else {
+		results = execCalls(ctx, s.client, calls)
+	}
 	errs := make([]error, len(items))
-	for g, res := range execCalls(ctx, s.client, calls) {
+	for g, res := range results {
 		idx := groups[g]
 		vals, err := res.ToArray()
 		if err == nil && len(vals) != len(idx) {
@@ -439,9 +510,81 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 			}
 			n, verr := vals[j].AsInt64()
 			errs[i] = s.fencedValue("complete", n, verr)
+			if errs[i] == nil && ackErrs != nil && ackErrs[g] != nil {
+				errs[i] = s.fail("complete", ackErrs[g])
+			}
 		}
 	}
 	return errs, nil
+}
+
+// execAcked runs calls as execCalls does, each pipeline followed by WAIT
+// on the same connection (rueidis sends a pipeline holding a blocking
+// command on one dedicated connection, in order), and returns each call's
+// reply and the error of the WAIT that followed it: nil when enough
+// replicas acknowledged. On a cluster each call (its keys share a slot)
+// goes with its own WAIT to the node of its slot, the calls in parallel.
+func (s *Store) execAcked(ctx context.Context, calls []call) ([]rueidis.RedisResult, []error) {
+	results := make([]rueidis.RedisResult, len(calls))
+	ackErrs := make([]error, len(calls))
+	if !s.cluster {
+		s.execAckedUnit(ctx, calls, results, ackErrs)
+		return results, ackErrs
+	}
+	var wg sync.WaitGroup
+	for i := range calls {
+		wg.Go(func() { s.execAckedUnit(ctx, calls[i:i+1], results[i:i+1], ackErrs[i:i+1]) })
+	}
+	wg.Wait()
+	return results, ackErrs
+}
+
+// execAckedUnit sends calls and a WAIT in one pipeline, then the calls a
+// server answered NOSCRIPT again whole, with a WAIT of their own.
+func (s *Store) execAckedUnit(ctx context.Context, calls []call, results []rueidis.RedisResult, ackErrs []error) {
+	cmds := make(rueidis.Commands, 0, len(calls)+1)
+	for _, k := range calls {
+		cmds = append(cmds, k.sc.evalsha(s.client, k.keys, k.args))
+	}
+	cmds = append(cmds, s.wait())
+	res := s.client.DoMulti(ctx, cmds...)
+	ackErr := s.waitError(res[len(calls)])
+	var again []int
+	for i, r := range res[:len(calls)] {
+		results[i], ackErrs[i] = r, ackErr
+		if isNoScript(r.Error()) {
+			again = append(again, i)
+		}
+	}
+	if len(again) == 0 {
+		return
+	}
+	cmds = cmds[:0]
+	for _, i := range again {
+		cmds = append(cmds, calls[i].sc.eval(s.client, calls[i].keys, calls[i].args))
+	}
+	cmds = append(cmds, s.wait())
+	res = s.client.DoMulti(ctx, cmds...)
+	ackErr = s.waitError(res[len(again)])
+	for k, i := range again {
+		results[i], ackErrs[i] = res[k], ackErr
+	}
+}
+
+func (s *Store) wait() rueidis.Completed {
+	return s.client.B().Wait().Numreplicas(s.ackReplicas).Timeout(s.ackTimeout).Build()
+}
+
+// waitError is nil when WAIT's reply counts enough replicas.
+func (s *Store) waitError(res rueidis.RedisResult) error {
+	n, err := res.AsInt64()
+	switch {
+	case err != nil:
+		return err
+	case n < s.ackReplicas:
+		return &ReplicaAckError{Want: s.ackReplicas, Acked: n}
+	}
+	return nil
 }
 
 // maxScriptKeys bounds the keys of one completeMany call, which holds the

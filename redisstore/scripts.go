@@ -1,23 +1,51 @@
 package redisstore
 
-import "strconv"
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"strconv"
+	"strings"
+
+	"github.com/dedupkit/dedup"
+)
 
 // The Lua scripts below are the whole state machine. Each runs atomically
 // on the server (Redis runs one script at a time) and touches exactly one
 // key, so it works unchanged on Redis Cluster; completeManyScript, which
-// touches several, is only given keys of one hash slot. Time is the server's: leases
-// and retention are key TTLs, which the server enforces, so clients with
-// skewed clocks agree on when a lease ends.
+// touches several, is only given keys of one hash slot. Time is the
+// server's: leases and retention are key TTLs, which the server enforces,
+// so clients with skewed clocks agree on when a lease ends.
 //
-// A record is one string:
+// A record is one binary string with a fixed header (offsets from 0,
+// integers big-endian):
+//
+//	0       kind: 1 in progress, 2 completed
+//	1..16   token (16 raw bytes)
+//	17..22  n: the hold in ms while in progress, the expiry (server unix
+//	        ms) once completed (48 bits)
+//	23..26  attempt (32 bits)
+//	27      fingerprint code: 255 for a SHA-256 fingerprint of this
+//	        package's form ("sha256:" and 64 lower-case hex digits), kept
+//	        as its 32 raw bytes; otherwise the length (0 to 128) of the
+//	        fingerprint kept as is (0: none)
+//	28..    the fingerprint, then the result (completed only)
+//
+// So the token is always at bytes 1..16 and a script fences a call with
+// one fixed-offset comparison; completing copies bytes 23.. (attempt and
+// fingerprint) without decoding them. A completed record with a SHA-256
+// fingerprint and a 32-byte result is 92 bytes.
+//
+// Records written before this layout (the text format below) stay
+// readable: every reader takes both, and a record is rewritten in the
+// binary layout the next time it changes (a take-over); completed text
+// records are answered as duplicates until they expire. The text format:
 //
 //	state (1 byte: 'p' in progress, 'c' completed)
 //	token (16 raw bytes)
 //	"<attempt>:<n>:<fingerprint length>:" fingerprint
 //	result (completed only)
 //
-// where n is the hold in ms while in progress and the expiry (server unix
-// ms) once completed.
+// Its token is at the same offset, so the fenced scripts treat both alike.
 //
 // While in progress the key's TTL is the lease plus the hold, so the lease
 // is live while PTTL > hold, and an expired lease can still be taken over
@@ -29,80 +57,168 @@ import "strconv"
 // key found in progress with a matching fingerprint goes on to claimScript,
 // which decides live lease or take-over atomically.
 
-// recordHead is the part of an in-progress record the client builds for a
-// first claim (attempt 1).
-func recordHead(tok *[16]byte, hold int64, fp string) string {
-	return "p" + string(tok[:]) + "1:" + strconv.FormatInt(hold, 10) + ":" + strconv.Itoa(len(fp)) + ":" + fp
+const (
+	kindInProgress = 1
+	kindCompleted  = 2
+	headLen        = 28 // up to and including the fingerprint code
+	fpSHA256       = 255
+	maxAttempt     = 1<<32 - 1
+)
+
+const sha256Prefix = "sha256:"
+
+// encodeFP returns the stored form of fp: its code byte, then its bytes.
+// The form is canonical (one fingerprint, one encoding), so two stored
+// fingerprints match exactly when their encodings are equal.
+func encodeFP(fp dedup.Fingerprint) string {
+	if len(fp) == len(sha256Prefix)+64 && strings.HasPrefix(string(fp), sha256Prefix) && isLowerHex(string(fp[len(sha256Prefix):])) {
+		var b [33]byte
+		b[0] = fpSHA256
+		hex.Decode(b[1:], []byte(fp[len(sha256Prefix):]))
+		return string(b[:])
+	}
+	return string(append([]byte{byte(len(fp))}, fp...))
 }
 
-const luaNow = `
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-`
+func isLowerHex(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
 
-const parse = `
-local function parse(v)
+// fpMatches reports whether two encoded fingerprints match: equal, or
+// either is the empty fingerprint (not checked).
+func fpMatches(a, b string) bool { return a == "\x00" || b == "\x00" || a == b }
+
+func putUint48(b []byte, v int64) {
+	for i := 5; i >= 0; i-- {
+		b[i] = byte(v)
+		v >>= 8
+	}
+}
+
+func uint48(b string) int64 {
+	var v int64
+	for i := range 6 {
+		v = v<<8 | int64(b[i])
+	}
+	return v
+}
+
+// recordHead is the in-progress record the client builds for a first
+// claim (attempt 1); fpEnc is the encoded fingerprint.
+func recordHead(tok *[16]byte, hold int64, fpEnc string) string {
+	b := make([]byte, headLen-1, headLen-1+len(fpEnc))
+	b[0] = kindInProgress
+	copy(b[1:17], tok[:])
+	putUint48(b[17:23], hold)
+	binary.BigEndian.PutUint32(b[23:27], 1)
+	return string(append(b, fpEnc...))
+}
+
+// luaCodec holds the claim script's helpers: encfp encodes a text-format
+// fingerprint as encodeFP does; decode splits a record of either format
+// into (completed, attempt, n, encoded fingerprint, offset of the
+// result). Integers are read and written with Redis's struct library.
+const luaCodec = `
+local function encfp(f)
+	if #f == 71 and string.sub(f, 1, 7) == 'sha256:' and not string.find(f, '[^0-9a-f]', 8) then
+		return '\255' .. (string.gsub(string.sub(f, 8), '..', function(h) return string.char(tonumber(h, 16)) end))
+	end
+	return string.char(#f) .. f
+end
+local function decode(v)
+	local k = string.byte(v, 1)
+	if k == 1 or k == 2 then
+		local fl = string.byte(v, 28)
+		if fl == 255 then fl = 32 end
+		return k == 2, struct.unpack('>I4', v, 24), struct.unpack('>I6', v, 18), string.sub(v, 28, 28 + fl), 29 + fl
+	end
 	local a, h, fl, pos = string.match(v, '^(%d+):(%d+):(%d+):()', 18)
 	fl = tonumber(fl)
-	return string.sub(v, 1, 1), string.sub(v, 2, 17), tonumber(a), tonumber(h), string.sub(v, pos, pos + fl - 1), pos + fl
+	return k == 99, tonumber(a), tonumber(h), encfp(string.sub(v, pos, pos + fl - 1)), pos + fl
 end
+`
+
+// luaExpiry sets exp to the 6-byte expiry field of a record completed now
+// (server time) with retention ret ms.
+const luaExpiry = `
+local t = redis.call('TIME')
+local exp = struct.pack('>I6', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ret)
 `
 
 // claimScript: KEYS[1] record; ARGV[1] the new record (attempt 1),
-// ARGV[2] token, ARGV[3] lease ms, ARGV[4] hold ms, ARGV[5] fingerprint.
-// Returns {code, attempt, ms left[, result]}: code 1 acquired (attempt
-// negative for a take-over), 2 in progress, 3 duplicate, 4 mismatch.
-const claimScript = parse + `
+// ARGV[2] token, ARGV[3] lease ms, ARGV[4] hold ms, ARGV[5] encoded
+// fingerprint. Returns {code, attempt, ms left[, result]}: code 1 acquired
+// (attempt negative for a take-over), 2 in progress, 3 duplicate, 4
+// mismatch. A take-over writes the binary layout, whatever it found.
+const claimScript = luaCodec + `
 local lease, hold = tonumber(ARGV[3]), tonumber(ARGV[4])
 local old = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', lease + hold)
 if not old then return {1, 1, lease} end
-local state, _, a, h, f, rest = parse(old)
+local done, a, h, f, rest = decode(old)
 local fp = ARGV[5]
-if fp ~= '' and f ~= '' and f ~= fp then return {4, a, 0} end
+if fp ~= '\0' and f ~= '\0' and f ~= fp then return {4, a, 0} end
 local ttl = redis.call('PTTL', KEYS[1])
-if state == 'c' then return {3, a, ttl, string.sub(old, rest)} end
+if done then return {3, a, ttl, string.sub(old, rest)} end
 if ttl - h > 0 then return {2, a, ttl - h} end
-if f ~= '' then fp = f end
-a = a + 1
-redis.call('SET', KEYS[1], 'p' .. ARGV[2] .. a .. ':' .. hold .. ':' .. #fp .. ':' .. fp, 'PX', lease + hold)
+if f ~= '\0' then fp = f end
+if a < 4294967295 then a = a + 1 end
+redis.call('SET', KEYS[1], '\1' .. ARGV[2] .. struct.pack('>I6I4', hold, a) .. fp, 'PX', lease + hold)
 return {1, -a, lease}
 `
 
-// completeFn completes the record at k for token tok with result res,
-// expiring at exp (server unix ms) after ret ms: 1 done (or already done
-// by this token), 0 lease lost. It rewrites the in-progress record's head
-// in place (state, and the hold replaced by the expiry) with two plain
-// string searches instead of parsing it: the script's cost is mostly its
-// own string work, besides the GET and the SET.
-const completeFn = `
-local function complete(k, tok, res, exp, ret)
-	local old = redis.call('GET', k)
-	if not old or string.sub(old, 2, 17) ~= tok then return 0 end
-	if string.byte(old) == 99 then return 1 end
-	local a = string.find(old, ':', 18, true)
-	local b = string.find(old, ':', a + 1, true)
-	redis.call('SET', k, 'c' .. string.sub(old, 2, a) .. exp .. string.sub(old, b) .. res, 'PX', ret)
-	return 1
-end
-`
-
 // completeScript: KEYS[1]; ARGV[1] token, ARGV[2] result, ARGV[3]
-// retention ms. Returns 1 done (or already done by this token), 0 lease lost.
-const completeScript = luaNow + completeFn + `
+// retention ms. Returns 1 done (or already done by this token), 0 lease
+// lost. The token is compared at its fixed offset; the completed record is
+// the kind, the token, the expiry, the in-progress record's bytes from the
+// attempt on (copied, not decoded) and the result.
+const completeScript = `
+local old = redis.call('GET', KEYS[1])
+if not old or string.sub(old, 2, 17) ~= ARGV[1] then return 0 end
+local k = string.byte(old)
+if k ~= 1 then
+	if k == 2 or k == 99 then return 1 end
+	return 0
+end
 local ret = tonumber(ARGV[3])
-return complete(KEYS[1], ARGV[1], ARGV[2], now + ret, ret)
+` + luaExpiry + `
+redis.call('PSETEX', KEYS[1], ARGV[3], '\2' .. ARGV[1] .. exp .. string.sub(old, 24) .. ARGV[2])
+return 1
 `
 
 // completeManyScript completes several records of one slot in one call:
 // KEYS; ARGV[1] retention ms, then for KEYS[i] ARGV[2i] its token and
-// ARGV[2i+1] its result. Each key as completeScript; returns the array of
-// their answers, in order.
-const completeManyScript = luaNow + completeFn + `
+// ARGV[2i+1] its result. Each key as completeScript, with one MGET for all
+// of them and one clock read; returns the array of their answers, in
+// order. A key given twice is decided the second time on what the first
+// wrote (wrote), not on the MGET's value from before it. PSETEX is SET PX
+// with one argument fewer to convert; per key the script's time goes
+// mostly to that write (about half), the MGET and the arguments (measured
+// in BenchmarkCompleteServerTime).
+const completeManyScript = `
 local ret = tonumber(ARGV[1])
-local exp = now + ret
-local out = {}
+` + luaExpiry + `
+local vals = redis.call('MGET', unpack(KEYS))
+local out, wrote = {}, {}
 for i, k in ipairs(KEYS) do
-	out[i] = complete(k, ARGV[2 * i], ARGV[2 * i + 1], exp, ret)
+	local old, tok = wrote[k] or vals[i], ARGV[2 * i]
+	local r = 0
+	if old and string.sub(old, 2, 17) == tok then
+		local s = string.byte(old)
+		if s == 1 then
+			local v = '\2' .. tok .. exp .. string.sub(old, 24) .. ARGV[2 * i + 1]
+			redis.call('PSETEX', k, ARGV[1], v)
+			wrote[k] = v
+			r = 1
+		elseif s == 2 or s == 99 then
+			r = 1
+		end
+	end
+	out[i] = r
 end
 return out
 `
@@ -110,18 +226,17 @@ return out
 // releaseScript: KEYS[1]; ARGV[1] token. Returns 1 released, 0 lease lost.
 const releaseScript = `
 local old = redis.call('GET', KEYS[1])
-if not old or string.sub(old, 1, 17) ~= 'p' .. ARGV[1] then return 0 end
+if not old or string.sub(old, 1, 17) ~= '\1' .. ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 `
 
 // extendScript: KEYS[1]; ARGV[1] token, ARGV[2] lease ms. Returns 1, or 0
 // for lease lost.
-const extendScript = parse + `
+const extendScript = `
 local old = redis.call('GET', KEYS[1])
-if not old or string.sub(old, 1, 17) ~= 'p' .. ARGV[1] then return 0 end
-local _, _, _, h = parse(old)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + h)
+if not old or string.sub(old, 1, 17) ~= '\1' .. ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + struct.unpack('>I6', old, 18))
 return 1
 `
 
@@ -129,13 +244,35 @@ return 1
 type record struct {
 	completed bool
 	attempt   int64
-	n         int64 // hold ms (in progress) or expiry unix ms (completed)
-	fp        string
+	n         int64  // hold ms (in progress) or expiry unix ms (completed)
+	fpEnc     string // encoded as encodeFP does
 	result    string
 }
 
-// parseRecord splits v; ok is false for a value this package did not write.
+// parseRecord splits v, in either format; ok is false for a value this
+// package did not write.
 func parseRecord(v string) (r record, ok bool) {
+	if len(v) >= headLen && (v[0] == kindInProgress || v[0] == kindCompleted) {
+		fl := int(v[27])
+		if fl == fpSHA256 {
+			fl = 32
+		} else if fl > dedup.MaxFingerprintBytes {
+			return r, false
+		}
+		if len(v) < headLen+fl {
+			return r, false
+		}
+		r.completed = v[0] == kindCompleted
+		r.n = uint48(v[17:23])
+		r.attempt = int64(v[23])<<24 | int64(v[24])<<16 | int64(v[25])<<8 | int64(v[26])
+		r.fpEnc, r.result = v[27:headLen+fl], v[headLen+fl:]
+		return r, true
+	}
+	return parseTextRecord(v)
+}
+
+// parseTextRecord splits a record of the text format.
+func parseTextRecord(v string) (r record, ok bool) {
 	if len(v) < 17 || (v[0] != 'p' && v[0] != 'c') {
 		return r, false
 	}
@@ -157,6 +294,6 @@ func parseRecord(v string) (r record, ok bool) {
 		return r, false
 	}
 	r.attempt, r.n = nums[0], nums[1]
-	r.fp, r.result = rest[:nums[2]], rest[nums[2]:]
+	r.fpEnc, r.result = encodeFP(dedup.Fingerprint(rest[:nums[2]])), rest[nums[2]:]
 	return r, true
 }

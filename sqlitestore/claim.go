@@ -11,33 +11,37 @@ import (
 
 // row is a record as the upsert's RETURNING clause reports it.
 type row struct {
-	state       int64
-	token       []byte
-	attempts    int64
-	fingerprint string
-	result      []byte
-	leaseUntil  int64
-	expiresAt   int64
+	state    int64
+	token    []byte
+	attempts int64
+	fp       any // see encodeFingerprint
+	result   []byte
+	deadline int64
 }
 
 // upsert runs the claim or inbox statement st once and reads its row.
-func upsert(ctx context.Context, st *sql.Stmt, key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, now, leaseUntil, expiresAt int64) (row, error) {
+// enc is encodeFingerprint(fp).
+func upsert(ctx context.Context, st *sql.Stmt, scopeID int64, id string, enc any, tok *dedup.Token, now, deadline int64) (row, error) {
 	var r row
-	err := st.QueryRowContext(ctx, key.Scope, key.ID, tok[:], string(fp), now, leaseUntil, expiresAt).
-		Scan(&r.state, &r.token, &r.attempts, &r.fingerprint, &r.result, &r.leaseUntil, &r.expiresAt)
+	err := st.QueryRowContext(ctx, scopeID, id, tok[:], enc, now, deadline).
+		Scan(&r.state, &r.token, &r.attempts, &r.fp, &r.result, &r.deadline)
 	return r, err
 }
 
 // outcome turns the row returned by an upsert into a Claim (see
 // dedup.ClaimedRecord.ClaimFor). Database/sql's Scan has already copied the
 // result bytes.
-func outcome(key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, r *row) (dedup.Claim, error) {
+func outcome(key dedup.Key, fp dedup.Fingerprint, enc any, tok *dedup.Token, r *row) (dedup.Claim, error) {
 	if r.state != stateInProgress && r.state != stateCompleted {
 		return dedup.Claim{}, errors.New("record of key " + key.String() + " has unknown state")
 	}
+	stored, err := decodeFingerprint(r.fp, fp, enc)
+	if err != nil {
+		return dedup.Claim{}, errors.New("record of key " + key.String() + ": " + err.Error())
+	}
+	at := fromNanos(r.deadline) // the lease's end in progress, the expiry completed
 	rec := dedup.ClaimedRecord{Completed: r.state == stateCompleted, Token: r.token, Attempts: int(r.attempts),
-		Fingerprint: dedup.Fingerprint(r.fingerprint), Result: r.result,
-		LeaseUntil: fromNanos(r.leaseUntil), ExpiresAt: fromNanos(r.expiresAt)}
+		Fingerprint: stored, Result: r.result, LeaseUntil: at, ExpiresAt: at}
 	return rec.ClaimFor(key, fp, *tok), nil
 }
 
@@ -55,18 +59,22 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := ctx.Err(); err != nil {
 		return dedup.Claim{}, s.fail(ctx, "claim", err, true)
 	}
+	scopeID, _, err := s.scopeID(ctx, nil, key.Scope, true)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "claim", err, true)
+	}
 	if err := s.enter(ctx); err != nil {
 		return dedup.Claim{}, s.fail(ctx, "claim", err, true)
 	}
 	defer s.leave()
 	tok := dedup.NewToken()
 	now := s.now()
-	leaseUntil := addNanos(now, lease)
-	r, err := upsert(ctx, s.claimStmt, key, fp, &tok, now, leaseUntil, addNanos(leaseUntil, InProgressGrace))
+	enc := encodeFingerprint(fp)
+	r, err := upsert(ctx, s.claimStmt, scopeID, key.ID, enc, &tok, now, addNanos(now, lease))
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "claim", err, false)
 	}
-	c, err := outcome(key, fp, &tok, &r)
+	c, err := outcome(key, fp, enc, &tok, &r)
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "claim", err, false)
 	}
@@ -93,6 +101,18 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	if len(reqs) == 0 {
 		return out, nil
 	}
+	scopeIDs := make([]int64, len(reqs))
+	for i, req := range reqs {
+		if i > 0 && req.Key.Scope == reqs[i-1].Key.Scope {
+			scopeIDs[i] = scopeIDs[i-1]
+			continue
+		}
+		id, _, err := s.scopeID(ctx, nil, req.Key.Scope, true)
+		if err != nil {
+			return nil, s.fail(ctx, "claim batch", err, true)
+		}
+		scopeIDs[i] = id
+	}
 	if err := s.enter(ctx); err != nil {
 		return nil, s.fail(ctx, "claim batch", err, true)
 	}
@@ -111,14 +131,14 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	// not made stale by waiting for the lock.
 	now := s.now()
 	leaseUntil := addNanos(now, lease)
-	expiresAt := addNanos(leaseUntil, InProgressGrace)
 	for i, req := range reqs {
 		tok := dedup.NewToken()
-		r, err := upsert(ctx, st, req.Key, req.Fingerprint, &tok, now, leaseUntil, expiresAt)
+		enc := encodeFingerprint(req.Fingerprint)
+		r, err := upsert(ctx, st, scopeIDs[i], req.Key.ID, enc, &tok, now, leaseUntil)
 		if err != nil {
 			return nil, rollback(err)
 		}
-		if out[i], err = outcome(req.Key, req.Fingerprint, &tok, &r); err != nil {
+		if out[i], err = outcome(req.Key, req.Fingerprint, enc, &tok, &r); err != nil {
 			return nil, rollback(err)
 		}
 	}
@@ -145,12 +165,19 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	if err := ctx.Err(); err != nil {
 		return s.fail(ctx, "complete", err, true)
 	}
+	scopeID, found, err := s.scopeID(ctx, nil, c.Key.Scope, false)
+	if err != nil {
+		return s.fail(ctx, "complete", err, true)
+	}
+	if !found {
+		return dedup.ErrLeaseLost // no record of this scope exists
+	}
 	if err := s.enter(ctx); err != nil {
 		return s.fail(ctx, "complete", err, true)
 	}
 	defer s.leave()
 	expiresAt := addNanos(s.now(), retention)
-	res, err := s.completeStmt.ExecContext(ctx, result, expiresAt, c.Key.Scope, c.Key.ID, c.Token[:])
+	res, err := s.completeStmt.ExecContext(ctx, result, expiresAt, scopeID, c.Key.ID, c.Token[:])
 	return s.fenced(ctx, "complete", res, err)
 }
 
@@ -168,11 +195,18 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := ctx.Err(); err != nil {
 		return s.fail(ctx, "release", err, true)
 	}
+	scopeID, found, err := s.scopeID(ctx, nil, c.Key.Scope, false)
+	if err != nil {
+		return s.fail(ctx, "release", err, true)
+	}
+	if !found {
+		return dedup.ErrLeaseLost
+	}
 	if err := s.enter(ctx); err != nil {
 		return s.fail(ctx, "release", err, true)
 	}
 	defer s.leave()
-	res, err := s.releaseStmt.ExecContext(ctx, c.Key.Scope, c.Key.ID, c.Token[:])
+	res, err := s.releaseStmt.ExecContext(ctx, scopeID, c.Key.ID, c.Token[:])
 	return s.fenced(ctx, "release", res, err)
 }
 
@@ -193,12 +227,19 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if err := ctx.Err(); err != nil {
 		return dedup.Claim{}, s.fail(ctx, "extend", err, true)
 	}
+	scopeID, found, err := s.scopeID(ctx, nil, c.Key.Scope, false)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "extend", err, true)
+	}
+	if !found {
+		return dedup.Claim{}, dedup.ErrLeaseLost
+	}
 	if err := s.enter(ctx); err != nil {
 		return dedup.Claim{}, s.fail(ctx, "extend", err, true)
 	}
 	defer s.leave()
 	leaseUntil := addNanos(s.now(), lease)
-	res, err := s.extendStmt.ExecContext(ctx, leaseUntil, addNanos(leaseUntil, InProgressGrace), c.Key.Scope, c.Key.ID, c.Token[:])
+	res, err := s.extendStmt.ExecContext(ctx, leaseUntil, scopeID, c.Key.ID, c.Token[:])
 	if err := s.fenced(ctx, "extend", res, err); err != nil {
 		return dedup.Claim{}, err
 	}
@@ -244,7 +285,8 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 		return 0, s.fail(ctx, "sweep", err, true)
 	}
 	defer s.leave()
-	res, err := s.sweepStmt.ExecContext(ctx, s.now(), int64(limit))
+	now := s.now()
+	res, err := s.sweepStmt.ExecContext(ctx, now, subNanos(now, InProgressGrace), int64(limit))
 	if err != nil {
 		return 0, s.fail(ctx, "sweep", err, false)
 	}

@@ -58,6 +58,16 @@
 // are serialised by SQLite's write lock and the second sees a duplicate.
 // [Store.RunInbox] does the begin, commit and rollback for you.
 //
+// # The record layout
+//
+// A record is kept compact (schema version 2, [SchemaVersion]): the scope
+// as a small integer from a per-table scopes table, the ID as text, the
+// token as 16 bytes, a SHA-256 fingerprint as its 32-byte digest, and one
+// deadline (the lease's end while in progress, the expiry once completed).
+// Measured: 187 file bytes a completed record against 298 for the earlier
+// layout (docs/benchmarks.md). [Open] converts a database in the earlier
+// layout in batches.
+//
 // # Housekeeping
 //
 // Expired records are invisible to Claim (the key is acquired again), but

@@ -79,6 +79,11 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if err := ctx.Err(); err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox", err, true)
 	}
+	// The scope's id, committed on its own before the transaction (once
+	// per scope and process), so that it can be cached.
+	if _, _, err := s.scopeID(ctx, nil, key.Scope, true); err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox", err, true)
+	}
 	if err := s.enter(ctx); err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox begin", err, true)
 	}
@@ -137,15 +142,22 @@ func (s *Store) inbox(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedup.F
 	if err := ctx.Err(); err != nil {
 		return c, nil, s.fail(ctx, "inbox", err, true)
 	}
+	// Inside the caller's transaction: a new scope is added in it (and
+	// rolled back with it), and its id is not cached.
+	scopeID, _, err := s.scopeID(ctx, tx, key.Scope, true)
+	if err != nil {
+		return c, nil, s.fail(ctx, "inbox", err, false)
+	}
 	st := tx.StmtContext(ctx, s.inboxStmt)
 	defer st.Close()
 	tok := dedup.NewToken()
 	now := s.now()
-	r, err := upsert(ctx, st, key, fp, &tok, now, now, addNanos(now, retention))
+	enc := encodeFingerprint(fp)
+	r, err := upsert(ctx, st, scopeID, key.ID, enc, &tok, now, addNanos(now, retention))
 	if err != nil {
 		return c, nil, s.fail(ctx, "inbox", err, false)
 	}
-	if c, err = outcome(key, fp, &tok, &r); err != nil {
+	if c, err = outcome(key, fp, enc, &tok, &r); err != nil {
 		return c, nil, s.fail(ctx, "inbox", err, false)
 	}
 	if c.Outcome != dedup.Acquired {
@@ -158,7 +170,7 @@ func (s *Store) inbox(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedup.F
 	if out != nil {
 		done := tx.StmtContext(ctx, s.inboxDoneStmt)
 		defer done.Close()
-		res, err := done.ExecContext(ctx, out, key.Scope, key.ID, tok[:])
+		res, err := done.ExecContext(ctx, out, scopeID, key.ID, tok[:])
 		if err != nil {
 			return dedup.Claim{}, nil, s.fail(ctx, "inbox result", err, false)
 		}

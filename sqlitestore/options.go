@@ -35,6 +35,7 @@ type config struct {
 	synchronous string
 	busyTimeout time.Duration
 	sweepEvery  time.Duration
+	sweepHooks  []dedup.Hook
 }
 
 func defaultConfig() config {

@@ -76,7 +76,8 @@ func (s *Store) MigrateOutbox(ctx context.Context) error {
 
 // WriteOutbox writes msgs to the outbox table in the caller's transaction
 // tx (on [Store.DB] or any handle on the same file): they commit with the
-// business write, or not at all. Every message is validated first, and an
+// business write, or not at all. Every message is validated first, its
+// trace headers added from ctx ([outbox.SetHeaderInjector]), and an
 // empty ID filled with [outbox.NewID]: a bad one is an
 // [*dedup.ArgumentError] before any I/O, and nothing is written. Call
 // [Store.MigrateOutbox] once before.
@@ -92,7 +93,7 @@ func (s *Store) WriteOutbox(ctx context.Context, tx *sql.Tx, msgs ...outbox.Mess
 	rows := make([]row, len(msgs))
 	for i := range msgs {
 		m := &msgs[i]
-		if err := outbox.Prepare(m); err != nil {
+		if err := outbox.PrepareContext(ctx, m); err != nil {
 			return err
 		}
 		rows[i].headers = "{}"

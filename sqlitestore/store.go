@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"net/url"
 	"path/filepath"
 	"runtime"
@@ -50,6 +51,7 @@ type Store struct {
 	writers     chan struct{}
 	busyTimeout time.Duration
 	sweeper     *sweeper // with WithSweepInterval; see sweep.go
+	scopes      scopeIDs // scope names to their ids; see schema.go
 
 	claimStmt     *sql.Stmt
 	completeStmt  *sql.Stmt
@@ -69,8 +71,18 @@ var (
 )
 
 // Open opens the SQLite database at path, creating the file if it does not
-// exist, switches it to WAL mode, creates the records table and its index
-// if they are missing, and prepares the statements the store uses.
+// exist, switches it to WAL mode, creates the records table, its scopes
+// table and its index if they are missing, and prepares the statements the
+// store uses.
+//
+// A records table in an older layout (see [SchemaVersion]) is converted
+// first: it is renamed aside, and its records move to the new table in
+// batches of [MigrateBatch], each one short transaction, so that other
+// processes on the file get the write lock in between. Open returns once
+// all are moved. Stop processes running the older code before upgrading:
+// during the conversion they do not see the records already moved, and
+// after it their statements fail (closed, as any store error). A
+// conversion cut short (a crash) goes on at the next Open.
 //
 // A bad option or an empty path gives an [*dedup.ArgumentError]; a file that
 // cannot be opened, cannot use WAL, or holds a table of that name with
@@ -107,7 +119,7 @@ func Open(path string, opts ...Option) (*Store, error) {
 		db.Close()
 		return nil, openError(err)
 	}
-	s.startSweeper(cfg.sweepEvery)
+	s.startSweeper(cfg.sweepEvery, dedup.NewHooks(cfg.sweepHooks...))
 	return s, nil
 }
 
@@ -154,28 +166,10 @@ func (s *Store) init(ctx context.Context, cfg *config) error {
 	if !strings.EqualFold(mode, "wal") {
 		return fmt.Errorf("the database is in journal mode %q, not WAL (is the file on a network file system?)", mode)
 	}
-	t := `"` + s.table + `"`
-	schema := []string{
-		`CREATE TABLE IF NOT EXISTS ` + t + ` (
-	scope       TEXT    NOT NULL,
-	id          TEXT    NOT NULL,
-	state       INTEGER NOT NULL,         -- 1 in progress, 2 completed
-	token       BLOB    NOT NULL,         -- owner token, 16 bytes
-	fingerprint TEXT    NOT NULL DEFAULT '',
-	result      BLOB,
-	lease_until INTEGER NOT NULL,         -- unix nanoseconds
-	expires_at  INTEGER NOT NULL,         -- unix nanoseconds; Sweep deletes rows past it
-	attempts    INTEGER NOT NULL,
-	created_at  INTEGER NOT NULL,         -- unix nanoseconds
-	PRIMARY KEY (scope, id)
-) STRICT, WITHOUT ROWID`,
-		`CREATE INDEX IF NOT EXISTS "` + s.table + `_expires_at" ON ` + t + ` (expires_at)`,
+	if err := s.migrate(ctx); err != nil {
+		return err
 	}
-	for _, q := range schema {
-		if _, err := s.db.ExecContext(ctx, q); err != nil {
-			return err
-		}
-	}
+	t := tableNames(s.table).records
 	stmts := []struct {
 		dst **sql.Stmt
 		sql string
@@ -187,19 +181,22 @@ func (s *Store) init(ctx context.Context, cfg *config) error {
 		// the CASEs only write while the row is still in progress. All
 		// right-hand sides see the row as it was before the update.
 		{&s.completeStmt, `UPDATE ` + t + ` SET
-	result     = CASE WHEN state = 1 THEN ?1 ELSE result END,
-	expires_at = CASE WHEN state = 1 THEN ?2 ELSE expires_at END,
-	state      = 2
-WHERE scope = ?3 AND id = ?4 AND token = ?5`},
-		{&s.releaseStmt, `DELETE FROM ` + t + ` WHERE scope = ?1 AND id = ?2 AND token = ?3 AND state = 1`},
-		{&s.extendStmt, `UPDATE ` + t + ` SET lease_until = ?1, expires_at = ?2
-WHERE scope = ?3 AND id = ?4 AND token = ?5 AND state = 1`},
+	result   = CASE WHEN state = 1 THEN ?1 ELSE result END,
+	deadline = CASE WHEN state = 1 THEN ?2 ELSE deadline END,
+	state    = 2
+WHERE scope_id = ?3 AND id = ?4 AND token = ?5`},
+		{&s.releaseStmt, `DELETE FROM ` + t + ` WHERE scope_id = ?1 AND id = ?2 AND token = ?3 AND state = 1`},
+		{&s.extendStmt, `UPDATE ` + t + ` SET deadline = ?1
+WHERE scope_id = ?2 AND id = ?3 AND token = ?4 AND state = 1`},
 		{&s.inboxDoneStmt, `UPDATE ` + t + ` SET result = ?1
-WHERE scope = ?2 AND id = ?3 AND token = ?4 AND state = 2`},
-		// One bounded statement: the subquery walks the expires_at index
-		// and stops after limit rows.
-		{&s.sweepStmt, `DELETE FROM ` + t + ` WHERE (scope, id) IN (
-	SELECT scope, id FROM ` + t + ` WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)`},
+WHERE scope_id = ?2 AND id = ?3 AND token = ?4 AND state = 2`},
+		// One bounded statement: the subquery walks the deadline index
+		// and stops after limit rows. A completed record goes at its
+		// expiry (?1, now), an in-progress one InProgressGrace after its
+		// lease (?2).
+		{&s.sweepStmt, `DELETE FROM ` + t + ` WHERE (scope_id, id) IN (
+	SELECT scope_id, id FROM ` + t + ` WHERE deadline <= ?1 AND (state = 2 OR deadline <= ?2)
+	ORDER BY deadline LIMIT ?3)`},
 	}
 	for _, st := range stmts {
 		p, err := s.db.PrepareContext(ctx, st.sql)
@@ -216,41 +213,37 @@ WHERE scope = ?2 AND id = ?3 AND token = ?4 AND state = 2`},
 // state newState with the caller's new token or, when the key exists,
 // overwrites it only if it is acquirable:
 //
-//   - completed and expired (expires_at <= now), whatever its fingerprint:
+//   - completed and expired (deadline <= now), whatever its fingerprint:
 //     a fresh record, attempt 1, the new fingerprint;
-//   - in progress with an expired lease and a matching fingerprint (either
-//     is empty, or they are equal): a take-over, attempt + 1, keeping the
-//     stored fingerprint unless it was empty.
+//   - in progress with an expired lease (deadline <= now) and a matching
+//     fingerprint (either is NULL, or they are equal): a take-over,
+//     attempt + 1, keeping the stored fingerprint unless it was NULL.
 //
 // Otherwise every column keeps its value. Every CASE tests the row as it
 // was before the statement: SQLite evaluates all right-hand sides of an
 // UPDATE before it assigns any. RETURNING gives the row as it is
 // after the statement; the caller owns the key if and only if the returned
-// token is its own. Parameters: ?1 scope, ?2 id, ?3 token, ?4 fingerprint,
-// ?5 now, ?6 lease_until, ?7 expires_at (all times unix nanoseconds).
+// token is its own. Parameters: ?1 scope id, ?2 id, ?3 token, ?4
+// fingerprint (encodeFingerprint), ?5 now, ?6 the new deadline: the lease's
+// end, or the expiry of an inbox record (times in unix nanoseconds).
 //
 // ON CONFLICT never raises, so inside a caller's transaction a conflict
 // does not abort it.
 func upsertSQL(table string, newState int) string {
-	const acquirable = `((state = 2 AND expires_at <= ?5)
-		OR (state = 1 AND lease_until <= ?5 AND (fingerprint = '' OR ?4 = '' OR fingerprint = ?4)))`
+	const acquirable = `(deadline <= ?5 AND (state = 2 OR fp IS NULL OR ?4 IS NULL OR fp = ?4))`
 	st := strconv.Itoa(newState)
-	return `INSERT INTO ` + table + ` (scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)
-VALUES (?1, ?2, ` + st + `, ?3, ?4, NULL, ?6, ?7, 1, ?5)
-ON CONFLICT (scope, id) DO UPDATE SET
-	state       = CASE WHEN ` + acquirable + ` THEN ` + st + ` ELSE state END,
-	token       = CASE WHEN ` + acquirable + ` THEN excluded.token ELSE token END,
-	fingerprint = CASE WHEN ` + acquirable + ` THEN
-			CASE WHEN state = 2 OR fingerprint = '' THEN excluded.fingerprint ELSE fingerprint END
-		ELSE fingerprint END,
-	result      = CASE WHEN ` + acquirable + ` THEN NULL ELSE result END,
-	lease_until = CASE WHEN ` + acquirable + ` THEN excluded.lease_until ELSE lease_until END,
-	expires_at  = CASE WHEN ` + acquirable + ` THEN excluded.expires_at ELSE expires_at END,
-	attempts    = CASE WHEN ` + acquirable + ` THEN
+	return `INSERT INTO ` + table + ` (scope_id, id, state, token, fp, result, deadline, attempts)
+VALUES (?1, ?2, ` + st + `, ?3, ?4, NULL, ?6, 1)
+ON CONFLICT (scope_id, id) DO UPDATE SET
+	state    = CASE WHEN ` + acquirable + ` THEN ` + st + ` ELSE state END,
+	token    = CASE WHEN ` + acquirable + ` THEN excluded.token ELSE token END,
+	fp       = CASE WHEN ` + acquirable + ` AND (state = 2 OR fp IS NULL) THEN excluded.fp ELSE fp END,
+	result   = CASE WHEN ` + acquirable + ` THEN NULL ELSE result END,
+	deadline = CASE WHEN ` + acquirable + ` THEN excluded.deadline ELSE deadline END,
+	attempts = CASE WHEN ` + acquirable + ` THEN
 			CASE WHEN state = 1 THEN attempts + 1 ELSE 1 END
-		ELSE attempts END,
-	created_at  = CASE WHEN ` + acquirable + ` AND state = 2 THEN excluded.created_at ELSE created_at END
-RETURNING state, token, attempts, fingerprint, result, lease_until, expires_at`
+		ELSE attempts END
+RETURNING state, token, attempts, fp, result, deadline`
 }
 
 func (s *Store) closeStmts() {
@@ -344,5 +337,13 @@ func (s *Store) fail(ctx context.Context, op string, err error, notApplied bool)
 // addNanos returns t + d, saturating at dedup.MaxTime instead of
 // overflowing for a very long lease or retention.
 func addNanos(t int64, d time.Duration) int64 { return dedup.DeadlineNanos(t, d) }
+
+// subNanos returns t - d, saturating at the smallest int64.
+func subNanos(t int64, d time.Duration) int64 {
+	if t < math.MinInt64+int64(d) {
+		return math.MinInt64
+	}
+	return t - int64(d)
+}
 
 func fromNanos(n int64) time.Time { return time.Unix(0, n).UTC() }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/dedupkit/dedup"
 )
 
 // SweepBatch is the most records one statement of [Store.SweepExpired]
@@ -47,7 +49,7 @@ type sweeper struct {
 // sweepTimeout bounds one background sweep round.
 const sweepTimeout = time.Minute
 
-func (s *Store) startSweeper(every time.Duration) {
+func (s *Store) startSweeper(every time.Duration, hooks dedup.Hooks) {
 	if every <= 0 {
 		return
 	}
@@ -64,7 +66,9 @@ func (s *Store) startSweeper(every time.Duration) {
 			case <-t.C:
 			}
 			rctx, rcancel := context.WithTimeout(ctx, sweepTimeout)
+			start := time.Now()
 			n, err := s.SweepExpired(rctx, SweepBatch, time.Millisecond)
+			took := time.Since(start)
 			rcancel()
 			sw.mu.Lock()
 			sw.deleted += int64(n)
@@ -72,8 +76,20 @@ func (s *Store) startSweeper(every time.Duration) {
 				sw.lastErr = err
 			}
 			sw.mu.Unlock()
+			if ctx.Err() != nil {
+				err = nil // stopped by Close: not a failure
+			}
+			hooks.Swept(context.WithoutCancel(ctx), dedup.SweepEvent{Store: "sqlite", Deleted: int64(n), Duration: took, Err: err})
 		}
 	})
+}
+
+// WithSweepHooks gives the background sweeper of [WithSweepInterval] hooks
+// that receive a [dedup.SweepEvent] (Store "sqlite") after every round:
+// the rows deleted, how long the round took and its error. For a metrics
+// adapter (dedupprom, dedupotel). Default none.
+func WithSweepHooks(hs ...dedup.Hook) Option {
+	return optionFunc(func(c *config) { c.sweepHooks = append(c.sweepHooks, hs...) })
 }
 
 // stopSweeper stops the background sweeper, if any, and waits for it.

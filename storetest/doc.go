@@ -1,15 +1,16 @@
 // Package storetest is the conformance suite of the [dedup.Store]
-// contract. Every store runs it against a real engine:
+// contract. Every store runs it against a real engine (the package
+// Example, compiled by go test, is this test for the in-memory store):
 //
 //	func TestConformance(t *testing.T) {
 //		storetest.Run(t, func(t testing.TB, clock *storetest.Clock) dedup.Store {
-//			s, err := mystore.Open(..., mystore.WithClock(clock))
+//			s, err := memstore.New(memstore.WithClock(clock))
 //			if err != nil {
 //				t.Fatal(err)
 //			}
 //			t.Cleanup(func() { s.Close() })
 //			return s
-//		}, storetest.Features{ManualClock: true, Extend: true})
+//		}, storetest.Features{ManualClock: true, Extend: true, BatchClaim: true, BatchComplete: true, Sweep: true})
 //	}
 //
 // Each test in [Tests] checks one row of the claim state table or one

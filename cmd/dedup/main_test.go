@@ -49,6 +49,11 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"--lease", "soon"}, []string{"--lease"}},
 		{[]string{"--timeout", "-1s"}, []string{"--timeout"}},
 		{[]string{"leftover"}, []string{`"leftover"`}},
+		{[]string{"--processes", "2", "--store", "memory"}, []string{"--processes", "--store memory"}},
+		{[]string{"--processes", "-1"}, []string{"--processes", "between 1 and"}},
+		{[]string{"--processes", "2", "--broker", "nats"}, []string{"--processes", "simulated"}},
+		{[]string{"--processes", "2", "--kill-every", "-5"}, []string{"--kill-every"}},
+		{[]string{"--kill-every", "5"}, []string{"--kill-every", "--processes"}},
 	} {
 		args := append([]string{"verify"}, tc.args...)
 		code, stdout, stderr := runArgs(t, args...)
@@ -125,6 +130,25 @@ func TestVerifyJSONMemory(t *testing.T) {
 	}
 	if d := m["deliveries"].(float64); d < 200 {
 		t.Errorf("deliveries = %v, fewer than messages", d)
+	}
+}
+
+// `dedup verify --processes` re-runs this binary as its consumer
+// processes (the test binary's TestMain serves as the worker) and kills
+// them mid-run.
+func TestVerifyProcessesSummary(t *testing.T) {
+	t.Parallel()
+	code, stdout, stderr := runArgs(t, "verify", "--processes", "2", "--consumers", "4", "--messages", "400", "--kill-every", "80", "--quiet")
+	if code != exitOK {
+		t.Fatalf("exit %d, stderr %q, stdout %s", code, stderr, stdout)
+	}
+	for _, w := range []string{"sqlite store, inbox mode", "processes              2 x 4 consumers", "SIGKILLed mid-run", "PASS: all 400 messages applied exactly once"} {
+		if !strings.Contains(stdout, w) {
+			t.Errorf("summary lacks %q:\n%s", w, stdout)
+		}
+	}
+	if strings.Contains(stdout, " 0 SIGKILLed") {
+		t.Errorf("no process was killed:\n%s", stdout)
 	}
 }
 

@@ -1,20 +1,25 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"time"
 
 	"github.com/dedupkit/dedup/internal/verify"
+	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
+	"github.com/dedupkit/dedup/sqlitestore"
 )
 
 const outboxAbout = `Usage: dedup outbox status|list|retry ID|drop ID [flags]
 
-Inspects and repairs the outbox of a PostgreSQL store (pgstore):
+Inspects and repairs the outbox of a PostgreSQL store (pgstore, the
+default) or of a SQLite file (--store sqlite --sqlite-path FILE):
 
   status    backlog, oldest unpublished age, lag per partition, the relays
             and their leases, quarantined rows, the oldest open transaction
@@ -35,12 +40,36 @@ Flags:
 
 func pgstoreOutboxPartitions(n int) pgstore.OutboxOption { return pgstore.WithOutboxPartitions(n) }
 
+// openOutboxAdmin opens the store whose outbox `dedup outbox` inspects.
+// A SQLite file must exist (opening would create an empty database).
+func openOutboxAdmin(ctx context.Context, f *pgFlags, store, path, table string) (outbox.Admin, func(), error) {
+	if store == "sqlite" {
+		if _, err := os.Stat(path); err != nil {
+			return nil, nil, err
+		}
+		s, err := sqlitestore.Open(path, sqlitestore.WithTable(table))
+		if err != nil {
+			return nil, nil, err
+		}
+		return s, func() { s.Close() }, nil
+	}
+	s, err := f.open(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	return s, func() { s.Close() }, nil
+}
+
 func runOutbox(args []string, stdout, stderr io.Writer) int {
 	var f pgFlags
 	var parts, limit int
 	var quarantined, dryRun bool
+	var store, sqlitePath, sqliteTable string
 	fs := flag.NewFlagSet("dedup outbox", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
+	fs.StringVar(&store, "store", "postgres", "where the outbox is: `postgres` or sqlite")
+	fs.StringVar(&sqlitePath, "sqlite-path", "", "with --store sqlite: the database `file`")
+	fs.StringVar(&sqliteTable, "sqlite-table", "dedup_records", "with --store sqlite: the store's `table` (the outbox is <table>_outbox)")
 	fs.StringVar(&f.addr, "addr", "", "PostgreSQL connection `string` (default: $DEDUP_POSTGRES_URL or "+defaultPostgresURL+")")
 	fs.StringVar(&f.schema, "schema", "public", "`schema` of the store's tables")
 	fs.StringVar(&f.prefix, "prefix", "dedup_", "`prefix` of the store's table names")
@@ -78,18 +107,22 @@ func runOutbox(args []string, stdout, stderr io.Writer) int {
 		return fail(badUsage("--limit must be positive"))
 	case dryRun && sub != "drop":
 		return fail(badUsage("--dry-run applies only to drop"))
+	case store != "postgres" && store != "sqlite":
+		return fail(badUsage("--store must be postgres or sqlite, got %q", store))
+	case store == "sqlite" && sqlitePath == "":
+		return fail(badUsage("--store sqlite needs --sqlite-path, the database file"))
 	}
 	if err := checkTimeout(f.timeout); err != nil {
 		return fail(err)
 	}
 	ctx, cancel := commandContext(f.timeout)
 	defer cancel()
-	s, err := f.open(ctx)
+	s, closeStore, err := openOutboxAdmin(ctx, &f, store, sqlitePath, sqliteTable)
 	if err != nil {
 		fmt.Fprintf(stderr, "dedup outbox: %v\n", err)
 		return exitFail
 	}
-	defer s.Close()
+	defer closeStore()
 	switch sub {
 	case "status":
 		st, err := s.OutboxStatus(ctx, parts)
@@ -100,8 +133,12 @@ func runOutbox(args []string, stdout, stderr io.Writer) int {
 		if f.json {
 			return writeJSON(stdout, stderr, "outbox status", st)
 		}
-		fmt.Fprintf(stdout, "backlog %d, oldest unpublished %v, quarantined %d, published (kept) %d, oldest open transaction %v\n",
-			st.Backlog, st.OldestAge.Round(time.Millisecond), st.Quarantined, st.Published, st.OldestTransaction.Round(time.Millisecond))
+		tx := ", oldest open transaction " + st.OldestTransaction.Round(time.Millisecond).String()
+		if store == "sqlite" {
+			tx = "" // one writer at a time: no row commits behind a relay
+		}
+		fmt.Fprintf(stdout, "backlog %d, oldest unpublished %v, quarantined %d, published (kept) %d%s\n",
+			st.Backlog, st.OldestAge.Round(time.Millisecond), st.Quarantined, st.Published, tx)
 		for _, p := range st.Partitions {
 			owner := "free"
 			if p.Owner != "" && p.LeaseLeft > 0 {
@@ -116,7 +153,11 @@ func runOutbox(args []string, stdout, stderr io.Writer) int {
 			if !r.Alive {
 				state = "gone"
 			}
-			fmt.Fprintf(stdout, "relay %s: %s, %d partitions, up %v\n", r.Relay, state, r.Partitions, r.Since.Round(time.Second))
+			up := ""
+			if r.Since > 0 {
+				up = ", up " + r.Since.Round(time.Second).String()
+			}
+			fmt.Fprintf(stdout, "relay %s: %s, %d partitions%s\n", r.Relay, state, r.Partitions, up)
 		}
 	case "list":
 		rows, err := s.OutboxList(ctx, quarantined, limit)
@@ -126,7 +167,7 @@ func runOutbox(args []string, stdout, stderr io.Writer) int {
 		}
 		if f.json {
 			if rows == nil {
-				rows = []pgstore.OutboxRow{}
+				rows = []outbox.Row{}
 			}
 			return writeJSON(stdout, stderr, "outbox list", rows)
 		}
@@ -138,7 +179,7 @@ func runOutbox(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintln(stdout, line)
 		}
 	case "retry", "drop":
-		var r pgstore.OutboxRow
+		var r outbox.Row
 		if sub == "retry" {
 			r, err = s.OutboxRetry(ctx, pos[1])
 		} else {
@@ -162,8 +203,10 @@ func runOutbox(args []string, stdout, stderr io.Writer) int {
 
 const verifyOutboxAbout = `Usage: dedup verify --outbox [flags]
 
-Checks the producer half end to end on a real NATS JetStream server:
-producers commit business transactions that bump an aggregate's version
+Checks the producer half end to end over a broker (--broker: a real NATS
+JetStream server, a real RabbitMQ server, or Kafka on an in-process kfake
+cluster that loses produce responses), with that adapter's relay
+publisher: producers commit business transactions that bump an aggregate's version
 and write its event to the outbox (some rolled back, some held open for
 --hold), --relays relays publish them (dying between the broker's acks
 and the mark, and in the middle of batches, then restarted under a new
@@ -199,7 +242,9 @@ func runVerifyOutbox(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.Store, "store", cfg.Store, "the outbox's store: `postgres` or sqlite")
 	fs.StringVar(&cfg.PostgresURL, "addr", "", "PostgreSQL connection `string` (default: $DEDUP_POSTGRES_URL or "+defaultPostgresURL+")")
 	fs.StringVar(&cfg.SQLitePath, "path", "", "SQLite database `file` (default: a temporary file)")
-	fs.StringVar(&cfg.NATSURL, "nats-url", "", "NATS `URL` (default: $DEDUP_NATS_URL or nats://127.0.0.1:4222)")
+	fs.StringVar(&cfg.Broker, "broker", cfg.Broker, "the `broker` the relays publish to: nats, rabbitmq or kafka (in process on kfake)")
+	fs.StringVar(&cfg.NATSURL, "nats-url", "", "for --broker nats: the server `URL` (default: $DEDUP_NATS_URL or nats://127.0.0.1:4222)")
+	fs.StringVar(&cfg.AMQPURL, "amqp-url", "", "for --broker rabbitmq: the server `URL` (default: $DEDUP_AMQP_URL or amqp://guest:guest@127.0.0.1:5672/)")
 	fs.IntVar(&cfg.Events, "messages", cfg.Events, "business transactions the producers run")
 	fs.IntVar(&cfg.Producers, "producers", cfg.Producers, "producers at once")
 	fs.IntVar(&cfg.Aggregates, "aggregates", cfg.Aggregates, "aggregates the events belong to")
@@ -228,6 +273,12 @@ func runVerifyOutbox(args []string, stdout, stderr io.Writer) int {
 		cfg.PostgresURL = (&pgFlags{}).connString()
 	}
 	cfg.NATSURL = natsURLOf(cfg.NATSURL)
+	if cfg.AMQPURL == "" {
+		cfg.AMQPURL = os.Getenv("DEDUP_AMQP_URL")
+	}
+	if cfg.AMQPURL == "" {
+		cfg.AMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+	}
 	if err := cfg.Validate(); err != nil {
 		fmt.Fprintf(stderr, "dedup verify --outbox: %v\n", err)
 		return exitUsage
@@ -256,8 +307,8 @@ func runVerifyOutbox(args []string, stdout, stderr io.Writer) int {
 			return code
 		}
 	} else {
-		fmt.Fprintf(stdout, "outbox on %s -> NATS stream %s: %d events (%d committed, %d rolled back, %d held open), %d relays over %d partitions, %d consumers, seed %d\n",
-			rep.Store, rep.Stream, rep.Events, rep.Committed, rep.RolledBack, rep.Held, rep.Relays, rep.Partitions, rep.Consumers, rep.Seed)
+		fmt.Fprintf(stdout, "outbox on %s -> %s %s: %d events (%d committed, %d rolled back, %d held open), %d relays over %d partitions, %d consumers, seed %d\n",
+			rep.Store, rep.Broker, rep.Stream, rep.Events, rep.Committed, rep.RolledBack, rep.Held, rep.Relays, rep.Partitions, rep.Consumers, rep.Seed)
 		fmt.Fprintf(stdout, "relays: %d died after the acks before the mark, %d died mid-batch, %d rows marked published\n", rep.RelayCrashes, rep.RelayKills, rep.Published)
 		fmt.Fprintf(stdout, "consumers: %d deliveries, %d duplicates absorbed by dedup\n", rep.Deliveries, rep.DuplicatesSkipped)
 		fmt.Fprintf(stdout, "ledger: %d lost, %d applied twice, %d rolled-back delivered, %d out of order\n", rep.Lost, rep.DoubleApplied, rep.RolledBackSeen, rep.OrderViolations)

@@ -321,6 +321,7 @@ func newProxyHandler(f *proxyFlags, store dedup.Store, log *slog.Logger, onDone 
 			pr.SetXForwarded()
 		},
 		Transport:    tr,
+		BufferPool:   newBufferPool(),
 		ErrorLog:     slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		ErrorHandler: proxyErrorHandler(log),
 	}
@@ -429,6 +430,11 @@ func serveProxy(ctx context.Context, args []string, stdout, stderr io.Writer, re
 		fmt.Fprintf(stderr, "dedup proxy: %v\nRun 'dedup proxy -h' for the flags.\n", err)
 		return exitUsage
 	}
+	// Everything written to stderr from here on goes through one buffer,
+	// in order, written out at most logFlushInterval late and at return.
+	lb := newLogBuffer(stderr)
+	defer lb.Close()
+	stderr = lb
 	var lh slog.Handler = slog.NewTextHandler(stderr, nil)
 	if f.logFormat == "json" {
 		lh = slog.NewJSONHandler(stderr, nil)
@@ -446,7 +452,7 @@ func serveProxy(ctx context.Context, args []string, stdout, stderr io.Writer, re
 			fmt.Fprintf(stderr, "dedup proxy: close the %s store: %v\n", f.store, err)
 		}
 	}()
-	reg, observe, err := proxyMetrics()
+	reg, observe, sweepHook, err := proxyMetrics()
 	if err != nil {
 		fmt.Fprintf(stderr, "dedup proxy: metrics: %v\n", err)
 		return exitFail
@@ -480,7 +486,7 @@ func serveProxy(ctx context.Context, args []string, stdout, stderr io.Writer, re
 		readyAddr += " " + admin.addr
 	}
 	if sw, ok := store.(dedup.Sweeper); ok && f.sweepInterval > 0 {
-		stopSweep := startProxySweeper(sw, f.sweepInterval, log)
+		stopSweep := startProxySweeper(sw, f.sweepInterval, log, f.store, sweepHook)
 		defer stopSweep()
 	}
 	log.Info("dedup proxy listening", "addr", ln.Addr().String(), "upstream", f.upstream, "store", f.store, "retention", f.retention)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -98,8 +99,11 @@ func pingStore(ctx context.Context, store dedup.Store) error {
 const sweepBatch = 1000
 
 // startProxySweeper deletes expired records every interval, in batches,
-// until the returned stop is called (which waits for it).
-func startProxySweeper(sw dedup.Sweeper, interval time.Duration, log *slog.Logger) (stop func()) {
+// until the returned stop is called (which waits for it). Each pass is
+// reported to hook (the /metrics registry's sweep series) as a
+// [dedup.SweepEvent] named after the store.
+func startProxySweeper(sw dedup.Sweeper, interval time.Duration, log *slog.Logger, store string, hook dedup.SweepHook) (stop func()) {
+	hooks := dedup.NewHooks(hook)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -111,12 +115,15 @@ func startProxySweeper(sw dedup.Sweeper, interval time.Duration, log *slog.Logge
 				return
 			case <-t.C:
 			}
-			total := 0
+			total, batches, start := 0, 0, time.Now()
+			var passErr error
 			for ctx.Err() == nil {
 				n, err := sw.Sweep(ctx, sweepBatch)
 				total += n
+				batches++
 				if err != nil {
 					if ctx.Err() == nil {
+						passErr = err
 						log.Warn("sweep expired records", "err", err)
 					}
 					break
@@ -124,6 +131,10 @@ func startProxySweeper(sw dedup.Sweeper, interval time.Duration, log *slog.Logge
 				if n < sweepBatch {
 					break
 				}
+			}
+			if batches > 0 && (passErr != nil || ctx.Err() == nil) {
+				hooks.Swept(ctx, dedup.SweepEvent{Store: store, Deleted: int64(total), Batches: batches,
+					Duration: time.Since(start), Err: passErr})
 			}
 			if total > 0 {
 				log.Info("swept expired records", "deleted", total)
@@ -138,16 +149,125 @@ func startProxySweeper(sw dedup.Sweeper, interval time.Duration, log *slog.Logge
 
 // proxyMetrics returns the registry the admin listener serves on /metrics
 // (dedupprom's metrics, with the Go runtime's and the process's) and the
-// observer that counts each keyed request by outcome class and status.
-func proxyMetrics() (*prometheus.Registry, func(*http.Request, deduphttp.Event), error) {
+// observer that counts each keyed request by outcome class and status,
+// and the hook that counts the background sweeper's passes.
+func proxyMetrics() (*prometheus.Registry, func(*http.Request, deduphttp.Event), dedup.SweepHook, error) {
 	m, err := dedupprom.New()
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	reg := prometheus.NewRegistry()
 	if err := reg.Register(m); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	return reg, m.HTTPObserver("proxy"), nil
+	return reg, m.HTTPObserver("proxy"), m, nil
+}
+
+// logBuffer batches the proxy's log lines: one write per request line
+// would add a system call to every request (a plain reverse proxy logs
+// nothing), so lines are collected and written when logFlushBytes have
+// gathered, every logFlushInterval, and at Close. A line is at most
+// logFlushInterval late; a process killed with SIGKILL loses at most
+// that much of its log.
+type logBuffer struct {
+	mu     sync.Mutex
+	out    io.Writer
+	buf    []byte
+	err    error
+	closed bool // after Close, lines are written at once
+	stop   chan struct{}
+	done   chan struct{}
+}
+
+const (
+	logFlushBytes    = 32 << 10
+	logFlushInterval = 100 * time.Millisecond
+)
+
+func newLogBuffer(out io.Writer) *logBuffer {
+	b := &logBuffer{out: out, buf: make([]byte, 0, 2*logFlushBytes), stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(b.done)
+		t := time.NewTicker(logFlushInterval)
+		defer t.Stop()
+		for {
+			select {
+			case <-t.C:
+				b.Flush()
+			case <-b.stop:
+				b.Flush()
+				return
+			}
+		}
+	}()
+	return b
+}
+
+// Write queues p (one log record, as slog writes it).
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = append(b.buf, p...)
+	if b.closed || len(b.buf) >= logFlushBytes {
+		b.flushLocked()
+	}
+	return len(p), nil
+}
+
+// Flush writes what is queued.
+func (b *logBuffer) Flush() {
+	b.mu.Lock()
+	b.flushLocked()
+	b.mu.Unlock()
+}
+
+func (b *logBuffer) flushLocked() {
+	if len(b.buf) == 0 {
+		return
+	}
+	if _, err := b.out.Write(b.buf); err != nil && b.err == nil {
+		b.err = err // a broken stderr: nothing else to tell it to
+	}
+	if cap(b.buf) > 4*logFlushBytes {
+		b.buf = make([]byte, 0, 2*logFlushBytes)
+	} else {
+		b.buf = b.buf[:0]
+	}
+}
+
+// Close writes what is queued and stops the flusher; later writes are
+// written at once.
+func (b *logBuffer) Close() {
+	select {
+	case <-b.stop:
+	default:
+		close(b.stop)
+	}
+	<-b.done
+	b.mu.Lock()
+	b.closed = true
+	b.flushLocked()
+	b.mu.Unlock()
+}
+
+// proxyBuffer is the size of the buffers the reverse proxy copies
+// response bodies through, as httputil allocates per response when no
+// pool is set.
+const proxyBuffer = 32 << 10
+
+// bufferPool is a httputil.BufferPool that hands out fixed-size arrays,
+// so that neither Get nor Put allocates.
+type bufferPool struct{ p sync.Pool }
+
+func newBufferPool() *bufferPool {
+	return &bufferPool{p: sync.Pool{New: func() any { return new([proxyBuffer]byte) }}}
+}
+
+func (p *bufferPool) Get() []byte { return p.p.Get().(*[proxyBuffer]byte)[:] }
+
+func (p *bufferPool) Put(b []byte) {
+	if cap(b) >= proxyBuffer {
+		p.p.Put((*[proxyBuffer]byte)(b[:proxyBuffer]))
+	}
 }

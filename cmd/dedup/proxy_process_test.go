@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/dedupkit/dedup/internal/verify"
 )
 
 // childEnv, when set, makes the test binary run `dedup` with the JSON
@@ -24,6 +26,10 @@ import (
 const childEnv = "DEDUPTEST_CHILD_ARGS"
 
 func TestMain(m *testing.M) {
+	// A worker process of `dedup verify --processes` (this binary re-run).
+	if code, ok := verify.WorkerMain(os.Stdin, os.Stdout, os.Stderr); ok {
+		os.Exit(code)
+	}
 	if a := os.Getenv(childEnv); a != "" {
 		var args []string
 		if err := json.Unmarshal([]byte(a), &args); err != nil {

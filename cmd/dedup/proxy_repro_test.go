@@ -393,7 +393,12 @@ func TestProxyAdminLogAndEnv(t *testing.T) {
 		t.Errorf("the main listener does not forward /healthz upstream: %q", r.body)
 	}
 	send(t, "POST", "http://"+f[0]+"/pay", "secret-key-123", "p")
+	// Log lines are written in batches, at most logFlushInterval late.
 	logs := stderr.String()
+	for i := 0; i < 500 && !strings.Contains(logs, `"outcome":"stored"`); i++ {
+		time.Sleep(10 * time.Millisecond)
+		logs = stderr.String()
+	}
 	if strings.Contains(logs, "secret-key-123") || !strings.Contains(logs, `"key_hash":"`+keyHashForTest("secret-key-123")+`"`) || !strings.Contains(logs, `"outcome":"stored"`) {
 		t.Errorf("request log line: %s", logs)
 	}

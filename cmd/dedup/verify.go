@@ -8,12 +8,14 @@ import (
 	"fmt"
 	"github.com/jackc/pgx/v5/pgconn"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"sort"
 	"strings"
 	"time"
 
+	"github.com/dedupkit/dedup/dedupprom"
 	"github.com/dedupkit/dedup/internal/verify"
 )
 
@@ -34,6 +36,9 @@ type verifyFlags struct {
 	timeout time.Duration
 	json    bool
 	quiet   bool
+	metrics string // --metrics-addr
+	procs   int
+	kills   int
 }
 
 const verifyAbout = `Usage: dedup verify [flags]
@@ -82,6 +87,17 @@ Brokers:
              members leave and join mid-run, and kfake loses produce
              responses and fails offset commits.
 
+Processes:
+  --processes N runs the consumers as N separate OS processes of this
+  binary (--consumers goroutines each) on one shared store: the SQLite
+  file, Redis or a Redis Cluster, the PostgreSQL schema, or layered.
+  Every --kill-every deliveries a worker process is SIGKILLed, as a pod
+  is, and a new one starts; its deliveries in flight are redelivered
+  after the visibility timeout. The ledger is shared too: the SQL table
+  of the inbox, or in lease mode a file every process appends to. In
+  lease mode a process killed after its effect and before Complete
+  applies that message twice: counted and reported, and it fails the run.
+
 Exit status: 0 when every message was applied exactly once, 1 on any
 violation (lost, applied twice, timeout) or failure, 2 on bad usage.
 
@@ -114,6 +130,9 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	fs.DurationVar(&f.timeout, "timeout", 2*time.Minute, "bound on the whole run; running out of time is a failure")
 	fs.BoolVar(&f.json, "json", false, "print the report as one JSON object instead of a summary")
 	fs.BoolVar(&f.quiet, "quiet", false, "no progress on stderr")
+	fs.StringVar(&f.metrics, "metrics-addr", "", "serve the run's Prometheus metrics (dedupprom: claims, duplicates, decisions, broker and layer counts) on `host:port` at /metrics while it runs; port 0 picks one, printed on stderr")
+	fs.IntVar(&f.procs, "processes", 0, "run the consumers in `N` separate processes on one shared store (0: goroutines of this process); simulated broker only, not --store memory")
+	fs.IntVar(&f.kills, "kill-every", 0, "with --processes: SIGKILL a worker process every `N` deliveries and start another (default: messages/5; 0: never)")
 	return fs
 }
 
@@ -222,10 +241,46 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 	default:
 		return f, b, badUsage("--broker must be simulated, nats, rabbitmq or kafka, got %q", f.broker)
 	}
+	if f.metrics != "" {
+		if _, _, err := net.SplitHostPort(f.metrics); err != nil {
+			return f, b, badUsage("--metrics-addr must be host:port, got %q", f.metrics)
+		}
+	}
 	if err := f.cfg.Validate(); err != nil {
 		return f, b, badUsage("%v", err)
 	}
+	if err := checkProcesses(fs, &f, b); err != nil {
+		return f, b, err
+	}
 	return f, b, nil
+}
+
+// checkProcesses checks --processes and --kill-every and fills in the
+// default of --kill-every.
+func checkProcesses(fs *flag.FlagSet, f *verifyFlags, b verify.Backend) error {
+	killSet := false
+	fs.Visit(func(fl *flag.Flag) { killSet = killSet || fl.Name == "kill-every" })
+	switch {
+	case f.procs == 0:
+		if killSet {
+			return badUsage("--kill-every applies only with --processes")
+		}
+		return nil
+	case f.procs < 0 || f.procs > verify.MaxProcesses:
+		return badUsage("--processes must be between 1 and %d, got %d", verify.MaxProcesses, f.procs)
+	case f.broker != "simulated":
+		return badUsage("--processes runs with the simulated broker only, not --broker %s", f.broker)
+	case f.metrics != "":
+		return badUsage("--metrics-addr does not combine with --processes: the claims happen in the worker processes")
+	case b.Name == "memory":
+		return badUsage("--processes needs a store several processes can share (sqlite, redis, postgres, layered), not --store memory")
+	case f.kills < 0:
+		return badUsage("--kill-every must be 0 (never) or a count of deliveries, got %d", f.kills)
+	}
+	if !killSet {
+		f.kills = max(f.cfg.Messages/5, 1)
+	}
+	return nil
 }
 
 // flagError rewrites an error of the flag package in the --flag spelling of
@@ -268,6 +323,11 @@ func joinModes(ms []verify.Mode) string {
 }
 
 func runVerify(args []string, stdout, stderr io.Writer) int {
+	// A consumer process of `dedup verify --processes` re-executes this
+	// binary as `dedup verify` with its orders in the environment.
+	if code, ok := verify.WorkerMain(os.Stdin, stdout, stderr); ok {
+		return code
+	}
 	if wantsOutbox(args) {
 		return runVerifyOutbox(args, stdout, stderr)
 	}
@@ -288,10 +348,14 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 	ctx, cancel := context.WithTimeout(ctx, f.timeout)
 	defer cancel()
 
-	t, err := b.Open(ctx, verify.OpenOptions{
+	opts := verify.OpenOptions{
 		Mode: verify.Mode(f.mode), Path: f.path, Addr: f.addr, FlushEvery: f.flush, Keep: f.keep,
 		Lease: f.cfg.Lease, Messages: f.cfg.Messages,
-	})
+	}
+	if f.procs > 0 {
+		return runVerifyProcesses(ctx, f, b, opts, stdout, stderr)
+	}
+	t, err := b.Open(ctx, opts)
 	if err != nil {
 		fmt.Fprintf(stderr, "dedup verify: open the %s store: %v\n", b.Name, explainOpen(err, f.path, f.addr))
 		return exitFail
@@ -302,6 +366,22 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 		keptPath = path
 	}
 
+	if f.metrics != "" {
+		m, err := verify.NewMetrics(f.broker)
+		if err == nil {
+			t = m.Instrument(t)
+			var srv *dedupprom.Server
+			if srv, err = dedupprom.Listen(f.metrics, m.Registry); err == nil {
+				defer srv.Close()
+				fmt.Fprintf(stderr, "dedup verify: metrics on http://%s/metrics\n", srv.Addr())
+			}
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "dedup verify: --metrics-addr: %v\n", err)
+			t.Close()
+			return exitFail
+		}
+	}
 	var bar *progressBar
 	if !f.quiet {
 		bar = newProgressBar(stderr)
@@ -337,7 +417,38 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 		return exitFail
 	}
 	rep.Path = keptPath
+	return reportVerify(f, &rep, stdout, stderr)
+}
 
+// runVerifyProcesses is `dedup verify --processes N`: this binary re-run
+// as the consumer processes.
+func runVerifyProcesses(ctx context.Context, f verifyFlags, b verify.Backend, opts verify.OpenOptions, stdout, stderr io.Writer) int {
+	exe, err := os.Executable()
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup verify: find this executable to start the workers: %v\n", err)
+		return exitFail
+	}
+	var bar *progressBar
+	if !f.quiet {
+		bar = newProgressBar(stderr)
+		f.cfg.Progress = bar.update
+	}
+	rep, err := verify.RunProcesses(ctx, f.cfg, b, opts, verify.ProcessOptions{
+		Processes: f.procs, KillEvery: f.kills, Command: []string{exe, "verify"},
+	})
+	if bar != nil {
+		bar.finish()
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup verify: %s\n", strings.TrimPrefix(explainOpen(err, f.path, f.addr).Error(), "verify: "))
+		return exitFail
+	}
+	return reportVerify(f, &rep, stdout, stderr)
+}
+
+// reportVerify prints the report and returns the exit status.
+func reportVerify(f verifyFlags, r *verify.Report, stdout, stderr io.Writer) int {
+	rep := *r
 	if f.json {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
@@ -408,6 +519,10 @@ func writeSummary(w io.Writer, r *verify.Report) {
 	}
 	p("messages", "%d  (%d consumers, dup-rate %v, crash-rate %v, fail-rate %v, lease %s, seed %d)",
 		r.Messages, r.Consumers, r.DupRate, r.CrashRate, r.FailRate, r.Lease, r.Seed)
+	if r.Processes > 0 {
+		p("processes", "%d x %d consumers  (%d started, %d SIGKILLed mid-run with %d deliveries in flight)",
+			r.Processes, r.Consumers, r.ProcessStarts, r.ProcessKills, r.KilledDeliveries)
+	}
 	p("deliveries", "%d  (%d broker duplicates, %d redeliveries)", r.Deliveries, r.BrokerDuplicates, r.Redeliveries)
 	p("effects", "%d  (ledger rows)", r.Effects)
 	p("duplicates skipped", "%d", r.DuplicatesSkipped)
@@ -438,6 +553,9 @@ func writeSummary(w io.Writer, r *verify.Report) {
 	}
 	p("lost", "%d%s", r.Lost, sample(r.LostSample))
 	p("double applied", "%d%s", r.DoubleApplied, sample(r.DoubleSample))
+	if r.KillWindowDoubles > 0 {
+		p("", "%d of them by a process SIGKILLed after its effect, before Complete (lease mode's open window)", r.KillWindowDoubles)
+	}
 	if r.Unfinished > 0 {
 		p("unfinished", "%d", r.Unfinished)
 	}
@@ -453,6 +571,10 @@ func writeSummary(w io.Writer, r *verify.Report) {
 		return
 	}
 	fmt.Fprintf(w, "FAIL: %s (rerun with --seed %d)\n", strings.Join(r.Violations(), "; "), r.Seed)
+	if r.KillWindowDoubles > 0 {
+		fmt.Fprintf(w, "hint: in lease mode the effect is outside the store; a process killed between the effect and Complete\n"+
+			"      applies it again on the take-over. Only the inbox (--mode inbox) or an idempotent effect closes that window.\n")
+	}
 	if r.LeasesLost > 0 && r.Mode == verify.LeaseMode {
 		fmt.Fprintf(w, "hint: %d consumers were still working when their lease (%s) ran out and another took the key over;\n"+
 			"      in lease mode that applies the effect again. Raise --lease above the slowest delivery, or use the inbox.\n",

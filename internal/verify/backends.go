@@ -54,6 +54,18 @@ type OpenOptions struct {
 	Lease time.Duration
 	// Messages is the number of messages of the run, for sizing.
 	Messages int
+
+	// The fields below let several processes share one store; RunProcesses
+	// sets them. Schema is the PostgreSQL schema of the run (empty: a new
+	// random one), RedisPrefix the layered store's Redis key prefix (empty:
+	// a new random one), and LedgerFile, in lease mode, a file that every
+	// effect is appended to instead of an in-memory ledger. Attach opens
+	// what another process created: no schema or table is created, and
+	// Close drops or deletes nothing.
+	Schema      string
+	RedisPrefix string
+	LedgerFile  string
+	Attach      bool
 }
 
 // Backends returns the stores verify can open, the default first.
@@ -124,6 +136,10 @@ func openMemory(_ context.Context, o OpenOptions) (Target, error) {
 	if err != nil {
 		return nil, err
 	}
+	if o.LedgerFile != "" || o.Attach {
+		s.Close()
+		return nil, errors.New("the memory store lives in one process: it cannot be shared by several (use sqlite, redis, postgres or layered)")
+	}
 	t, err := NewLease("memory", s, o.Lease)
 	if err != nil {
 		s.Close()
@@ -151,7 +167,7 @@ func openRedis(_ context.Context, o OpenOptions) (Target, error) {
 	if err != nil {
 		return nil, err
 	}
-	t, err := NewLease("redis", s, o.Lease)
+	t, err := newLeaseTarget("redis", s, o)
 	if err != nil {
 		s.Close()
 		return nil, err
@@ -164,7 +180,10 @@ func openRedis(_ context.Context, o OpenOptions) (Target, error) {
 func openLayered(ctx context.Context, o OpenOptions) (Target, error) {
 	// A prefix of its own, so that the injected key loss deletes this run's
 	// keys only, never anything else on a shared Redis.
-	prefix := fmt.Sprintf("dedup-verify-%016x:", rand.Uint64())
+	prefix := o.RedisPrefix
+	if prefix == "" {
+		prefix = fmt.Sprintf("dedup-verify-%016x:", rand.Uint64())
+	}
 	fast, err := openRedisStore(o.Addr, redisstore.WithPrefix(prefix))
 	if err != nil {
 		return nil, err
@@ -178,6 +197,9 @@ func openLayered(ctx context.Context, o OpenOptions) (Target, error) {
 	o.Mode = InboxMode
 	return openSQLiteWith(ctx, o, func(ctx context.Context, s *sqlitestore.Store) (Target, error) {
 		return NewLayeredInbox(ctx, "layered", s, win, fast, "redis", o.Lease, flush, o.FlushEvery, func() error {
+			if o.Attach {
+				return fast.Close() // the keys are the parent's to delete
+			}
 			return errors.Join(deletePrefix(context.Background(), fast.Client(), prefix), fast.Close())
 		})
 	})
@@ -245,7 +267,7 @@ func openSQLiteWith(ctx context.Context, o OpenOptions, wrap func(context.Contex
 	case o.Mode == InboxMode:
 		t, err = NewInbox(ctx, "sqlite", s)
 	case o.Mode == LeaseMode:
-		t, err = NewLease("sqlite", s, o.Lease)
+		t, err = newLeaseTarget("sqlite", s, o)
 	default:
 		err = fmt.Errorf("the sqlite store has no mode %q", o.Mode)
 	}

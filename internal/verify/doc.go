@@ -28,6 +28,12 @@
 // NakWithDelay), and the extra copies are producer retries from outside
 // the broker's duplicate window.
 //
+// [RunProcesses] runs the consumers as separate OS processes (workers: the
+// same binary re-executed, entered through [WorkerMain]) attached to one
+// shared store, and SIGKILLs whole workers mid-run, the crash a pod gets.
+// The verdict comes from a ledger every process shares: the inbox's SQL
+// table, or in lease mode a file the workers append to.
+//
 // A [Target] is one store in one mode. Lease mode ([NewLease]) runs any
 // [dedup.Store] through a [dedup.Runner]: claim, effect, complete, ack.
 // Inbox mode ([NewInbox]) writes the ledger row inside the SQL store's

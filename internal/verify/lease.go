@@ -32,7 +32,15 @@ type LeaseTarget struct {
 	name   string
 	store  dedup.Store
 	runner *dedup.Runner
-	ledger memLedger
+	ledger effectLedger
+}
+
+// effectLedger is where lease mode writes its effects: in memory for one
+// process, or a file that several processes append to (fileLedger).
+type effectLedger interface {
+	add(msgID string) error
+	counts(prefix string) (map[string]int, error)
+	close() error
 }
 
 // NewLease returns a lease-mode target on s, named name in the report,
@@ -52,7 +60,22 @@ func NewLease(name string, s dedup.Store, lease time.Duration) (*LeaseTarget, er
 	if err != nil {
 		return nil, err
 	}
-	return &LeaseTarget{name: name, store: s, runner: r, ledger: memLedger{rows: map[string]int{}}}, nil
+	return &LeaseTarget{name: name, store: s, runner: r, ledger: &memLedger{rows: map[string]int{}}}, nil
+}
+
+// newLeaseTarget is NewLease with the ledger o asks for: the file
+// o.LedgerFile when several processes share the run, else memory.
+func newLeaseTarget(name string, s dedup.Store, o OpenOptions) (*LeaseTarget, error) {
+	t, err := NewLease(name, s, o.Lease)
+	if err != nil || o.LedgerFile == "" {
+		return t, err
+	}
+	l, err := openFileLedger(o.LedgerFile)
+	if err != nil {
+		return nil, err
+	}
+	t.ledger = l
+	return t, nil
 }
 
 // Store returns the name given to NewLease.
@@ -70,8 +93,7 @@ func (t *LeaseTarget) Apply(ctx context.Context, d Delivery) Result {
 		case HandlerFailure:
 			return nil, errHandler
 		}
-		t.ledger.add(d.MsgID)
-		return nil, nil
+		return nil, t.ledger.add(d.MsgID)
 	})
 	r := Result{TakenOver: res.TakenOver}
 	var ipe *dedup.InProgressError
@@ -102,11 +124,11 @@ func (t *LeaseTarget) Apply(ctx context.Context, d Delivery) Result {
 
 // Effects returns the in-memory ledger's rows per message ID.
 func (t *LeaseTarget) Effects(_ context.Context, prefix string) (map[string]int, error) {
-	return t.ledger.counts(prefix), nil
+	return t.ledger.counts(prefix)
 }
 
 // Close closes the store.
-func (t *LeaseTarget) Close() error { return t.store.Close() }
+func (t *LeaseTarget) Close() error { return errors.Join(t.store.Close(), t.ledger.close()) }
 
 // memLedger is the business table of lease mode: one row per effect,
 // counted per message ID. It deliberately keeps duplicates.
@@ -115,13 +137,16 @@ type memLedger struct {
 	rows map[string]int
 }
 
-func (l *memLedger) add(msgID string) {
+func (l *memLedger) add(msgID string) error {
 	l.mu.Lock()
 	l.rows[msgID]++
 	l.mu.Unlock()
+	return nil
 }
 
-func (l *memLedger) counts(prefix string) map[string]int {
+func (l *memLedger) close() error { return nil }
+
+func (l *memLedger) counts(prefix string) (map[string]int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	out := make(map[string]int, len(l.rows))
@@ -130,5 +155,5 @@ func (l *memLedger) counts(prefix string) map[string]int {
 			out[id] = n
 		}
 	}
-	return out
+	return out, nil
 }

@@ -5,12 +5,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,8 +20,6 @@ import (
 	"github.com/dedupkit/dedup/sqlitestore"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
 // OutboxConfig says what one `dedup verify --outbox` run does.
@@ -35,8 +31,14 @@ type OutboxConfig struct {
 	PostgresURL string
 	// SQLitePath is the file for Store "sqlite" (empty: a temporary file).
 	SQLitePath string
+	// Broker is "nats" (a real JetStream server, the default), "rabbitmq"
+	// (a real RabbitMQ server) or "kafka" (an in-process kfake cluster);
+	// the relays publish with that adapter's outbox.Publisher.
+	Broker string
 	// NATSURL is the JetStream server.
 	NATSURL string
+	// AMQPURL is the RabbitMQ server.
+	AMQPURL string
 	// Events is how many business transactions the producers commit or
 	// roll back; Producers how many run at once; Aggregates how many
 	// aggregates they touch (each event bumps one aggregate's version).
@@ -76,7 +78,7 @@ type OutboxProgress struct {
 // DefaultOutboxConfig is `dedup verify --outbox` without other flags.
 func DefaultOutboxConfig() OutboxConfig {
 	return OutboxConfig{
-		Store: "postgres", Events: 3000, Producers: 8, Aggregates: 40,
+		Store: "postgres", Broker: "nats", Events: 3000, Producers: 8, Aggregates: 40,
 		RollbackRate: 0.1, HoldRate: 0.01, Hold: 2 * time.Second,
 		Relays: 3, Partitions: 8, CrashRate: 0.05, KillRate: 0.05, Lease: 500 * time.Millisecond,
 		Consumers: 4,
@@ -86,6 +88,8 @@ func DefaultOutboxConfig() OutboxConfig {
 // Validate reports the first invalid field, naming its flag.
 func (c *OutboxConfig) Validate() error {
 	switch {
+	case c.Broker != "" && c.Broker != "nats" && c.Broker != "rabbitmq" && c.Broker != "kafka":
+		return fmt.Errorf("--broker must be nats, rabbitmq or kafka with --outbox, got %q", c.Broker)
 	case c.Store != "postgres" && c.Store != "sqlite":
 		return fmt.Errorf("--store must be postgres or sqlite with --outbox, got %q", c.Store)
 	case c.Events < 1 || c.Events > 10_000_000:
@@ -191,9 +195,10 @@ type outboxSide interface {
 }
 
 // RunOutbox drives producers, relays and consumers end to end over a real
-// JetStream server and checks that every committed event was applied
-// exactly once, no rolled-back event was delivered, and each aggregate's
-// events were applied in version order.
+// broker (a JetStream server, a RabbitMQ server, or an in-process kfake
+// Kafka cluster; see OutboxConfig.Broker) and checks that every committed
+// event was applied exactly once, no rolled-back event was delivered, and
+// each aggregate's events were applied in version order.
 func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 	if err := cfg.Validate(); err != nil {
 		return OutboxReport{}, err
@@ -201,39 +206,24 @@ func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 	if cfg.Seed == 0 {
 		cfg.Seed = rand.Uint64() | 1
 	}
+	if cfg.Broker == "" {
+		cfg.Broker = "nats"
+	}
 	runID := strconv.FormatUint(rand.Uint64()>>24, 36)
-	rep := OutboxReport{Store: cfg.Store, Broker: "nats", Events: cfg.Events, Producers: cfg.Producers, Relays: cfg.Relays,
+	rep := OutboxReport{Store: cfg.Store, Broker: cfg.Broker, Events: cfg.Events, Producers: cfg.Producers, Relays: cfg.Relays,
 		Partitions: cfg.Partitions, Consumers: cfg.Consumers, Seed: cfg.Seed}
-	stream := "DEDUP_VERIFY_OUTBOX_" + strings.ToUpper(runID)
-	side, err := openOutboxSide(ctx, cfg, runID, stream+".events")
+	brk, err := openOutboxBroker(ctx, cfg, runID)
+	if err != nil {
+		return rep, err
+	}
+	defer brk.close(context.WithoutCancel(ctx), cfg.Keep)
+	rep.Stream = brk.stream()
+	side, err := openOutboxSide(ctx, cfg, runID, brk.topic())
 	if err != nil {
 		return rep, err
 	}
 	defer side.close(cfg.Keep)
-
-	nc, err := nats.Connect(cfg.NATSURL, nats.Name("dedup verify --outbox"), nats.Timeout(5*time.Second))
-	if err != nil {
-		return rep, fmt.Errorf("verify: connect to NATS at %s (set --nats-url or $DEDUP_NATS_URL): %w", cfg.NATSURL, err)
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return rep, err
-	}
-	rep.Stream = stream
-	// A short duplicate window: re-sends after it reach the consumers,
-	// whose dedup must absorb them.
-	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{stream + ".>"},
-		Storage: jetstream.FileStorage, Duplicates: 200 * time.Millisecond}); err != nil {
-		return rep, fmt.Errorf("verify: create stream %s: %w", stream, err)
-	}
-	if !cfg.Keep {
-		defer js.DeleteStream(context.WithoutCancel(ctx), stream)
-	}
-	pub, err := dedupnats.NewOutboxPublisher(js, 10*time.Second, dedupnats.WithExpectStream(stream))
-	if err != nil {
-		return rep, err
-	}
+	pub := brk.publisher()
 	start := time.Now()
 	var (
 		committed  sync.Map // id -> agg
@@ -257,75 +247,48 @@ func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 	rctx, stopAll := context.WithCancel(ctx)
 	defer stopAll()
 
-	// Consumers: one fetcher, aggregates dispatched to workers so that
-	// each aggregate is applied in stream order.
-	cons, err := js.CreateOrUpdateConsumer(ctx, stream, jetstream.ConsumerConfig{Durable: "verify", AckPolicy: jetstream.AckExplicitPolicy,
-		AckWait: 30 * time.Second, MaxAckPending: 20000})
-	if err != nil {
-		return rep, err
-	}
+	// Consumers: the broker delivers each aggregate's events one at a time,
+	// in order; handle applies one in the inbox and checks its version, and
+	// the broker acknowledges it after handle returned true.
 	var samples sync.Mutex
 	var violation []string
-	lastVersion := make([]map[string]uint64, cfg.Consumers)
-	work := make([]chan jetstream.Msg, cfg.Consumers)
-	var cwg sync.WaitGroup
-	for i := range work {
-		work[i] = make(chan jetstream.Msg, 256)
-		lastVersion[i] = map[string]uint64{}
-		cwg.Go(func() {
-			for {
-				var m jetstream.Msg
-				select {
-				case m = <-work[i]:
-				case <-rctx.Done():
-					// The channels are never closed: the Consume callback
-					// may still be sending after cc.Stop returns.
-					return
+	var lastMu sync.Mutex
+	lastVersion := map[string]uint64{}
+	handle := func(id, agg string, v uint64) bool {
+		deliveries.Add(1)
+		for {
+			dup, err := side.apply(rctx, id, agg, v)
+			if err != nil {
+				if rctx.Err() != nil {
+					return false
 				}
-				deliveries.Add(1)
-				h := m.Headers()
-				id, agg := h.Get(dedupnats.HeaderMsgID), h.Get(dedupnats.HeaderAggregate)
-				v, _ := strconv.ParseUint(h.Get(dedupnats.HeaderVersion), 10, 64)
-				for {
-					dup, err := side.apply(rctx, id, agg, v)
-					if err != nil {
-						if rctx.Err() != nil {
-							return
-						}
-						setErr(err)
-						time.Sleep(10 * time.Millisecond)
-						continue
-					}
-					if dup {
-						dups.Add(1)
-					} else {
-						applied.Add(1)
-						if last := lastVersion[i][agg]; v != last+1 {
-							orderBad.Add(1)
-							samples.Lock()
-							if len(violation) < 5 {
-								violation = append(violation, fmt.Sprintf("%s: version %d applied after %d", agg, v, last))
-							}
-							samples.Unlock()
-						}
-						if v > lastVersion[i][agg] {
-							lastVersion[i][agg] = v
-						}
-					}
-					break
-				}
-				m.Ack() // after durable work
+				setErr(err)
+				time.Sleep(10 * time.Millisecond)
+				continue
 			}
-		})
-	}
-	cc, err := cons.Consume(func(m jetstream.Msg) {
-		h := fnv.New32a()
-		h.Write([]byte(m.Headers().Get(dedupnats.HeaderAggregate)))
-		select {
-		case work[h.Sum32()%uint32(cfg.Consumers)] <- m:
-		case <-rctx.Done():
+			if dup {
+				dups.Add(1)
+				return true
+			}
+			applied.Add(1)
+			lastMu.Lock()
+			last := lastVersion[agg]
+			if v > last {
+				lastVersion[agg] = v
+			}
+			lastMu.Unlock()
+			if v != last+1 {
+				orderBad.Add(1)
+				samples.Lock()
+				if len(violation) < 5 {
+					violation = append(violation, fmt.Sprintf("%s: version %d applied after %d", agg, v, last))
+				}
+				samples.Unlock()
+			}
+			return true
 		}
-	}, jetstream.PullMaxMessages(500))
+	}
+	stopConsumers, err := brk.consume(rctx, cfg.Consumers, handle)
 	if err != nil {
 		return rep, err
 	}
@@ -459,8 +422,7 @@ func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 	close(progressDone)
 	stopAll()
 	rwg.Wait()
-	cc.Stop()
-	cwg.Wait()
+	stopConsumers()
 	elapsed := time.Since(start)
 
 	lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
@@ -531,7 +493,7 @@ func openOutboxSide(ctx context.Context, cfg OutboxConfig, runID, topic string) 
 // event is the outbox message of event id: version v of aggregate agg.
 func event(topic, id, agg string, v uint64) outbox.Message {
 	return outbox.Message{ID: id, Topic: topic, Key: agg, Payload: []byte(strconv.FormatUint(v, 10)),
-		Headers: map[string]string{dedupnats.HeaderVersion: strconv.FormatUint(v, 10)}}
+		Headers: map[string]string{dedupnats.HeaderVersion: strconv.FormatUint(v, 10), dedupnats.HeaderAggregate: agg}}
 }
 
 // ---- PostgreSQL ----

@@ -43,6 +43,11 @@ func openPostgres(ctx context.Context, o OpenOptions) (Target, error) {
 	}
 	if !strings.Contains(url, "pool_max_conns") {
 		cfg.MaxConns = postgresConns
+		if o.Attach {
+			// One of several processes: keep the sum well under the
+			// server's connection limit.
+			cfg.MaxConns = postgresConns / 2
+		}
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err == nil {
@@ -54,26 +59,32 @@ func openPostgres(ctx context.Context, o OpenOptions) (Target, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w (is PostgreSQL running at %s:%d? set --addr or DEDUP_POSTGRES_URL)", err, cfg.ConnConfig.Host, cfg.ConnConfig.Port)
 	}
-	schema := fmt.Sprintf("dedup_verify_%012x", rand.Uint64()>>16)
-	t := &pgTarget{pool: pool, schema: schema, keep: o.Keep}
+	schema := o.Schema
+	if schema == "" {
+		schema = fmt.Sprintf("dedup_verify_%012x", rand.Uint64()>>16)
+	}
+	// An attached process leaves the schema to the process that made it.
+	t := &pgTarget{pool: pool, schema: schema, keep: o.Keep || o.Attach}
 	s, err := pgstore.New(pool, pgstore.WithSchema(schema))
-	if err == nil {
+	if err == nil && !o.Attach {
 		_, err = s.Migrate(ctx)
 	}
 	if err == nil {
 		switch o.Mode {
 		case InboxMode, ApplyMode:
 			t.ledger = pgx.Identifier{schema, "ledger"}.Sanitize()
-			_, err = pool.Exec(ctx, `CREATE TABLE `+t.ledger+` (msg_id text COLLATE "C" NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`)
+			if !o.Attach {
+				_, err = pool.Exec(ctx, `CREATE TABLE `+t.ledger+` (msg_id text COLLATE "C" NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`)
+			}
 			t.Target = &pgInboxTarget{store: s, ledger: t.ledger, mode: o.Mode}
 		case LeaseMode:
-			t.Target, err = NewLease("postgres", s, o.Lease)
+			t.Target, err = newLeaseTarget("postgres", s, o)
 		default:
 			err = fmt.Errorf("the postgres store has no mode %q", o.Mode)
 		}
 	}
 	if err != nil {
-		t.keep = false
+		t.keep = o.Attach
 		return nil, errors.Join(err, t.drop())
 	}
 	return t, nil

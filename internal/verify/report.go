@@ -45,6 +45,17 @@ type Report struct {
 	// fast-store flushes injected; empty for other targets.
 	Layers  map[string]int64 `json:"layers,omitempty"`
 	Flushes int              `json:"flushes,omitempty"`
+	// Processes is the number of consumer processes of RunProcesses (each
+	// with Consumers goroutines), 0 for a run in one process.
+	// ProcessKills counts the worker processes SIGKILLed mid-run,
+	// ProcessStarts the worker processes started (the first ones and
+	// every restart), and KilledDeliveries the deliveries in flight on a
+	// killed process, which the broker redelivered after its visibility
+	// timeout.
+	Processes        int `json:"processes,omitempty"`
+	ProcessKills     int `json:"process_kills,omitempty"`
+	ProcessStarts    int `json:"process_starts,omitempty"`
+	KilledDeliveries int `json:"killed_deliveries,omitempty"`
 	// ConnectionDrops counts the broker connections cut mid-run
 	// (RunAMQP's DropEvery).
 	ConnectionDrops int `json:"connection_drops,omitempty"`
@@ -58,6 +69,13 @@ type Report struct {
 	// The verdict of the ledger.
 	Lost          int `json:"lost"`
 	DoubleApplied int `json:"double_applied"`
+	// KillWindowDoubles counts, in lease mode with several processes,
+	// the double-applied messages whose every extra effect was written by
+	// a process that was SIGKILLed with that message in flight: it applied
+	// the effect and died before Complete, and the take-over applied it
+	// again. That is lease mode's documented open window, shown rather
+	// than hidden; they are still counted in DoubleApplied.
+	KillWindowDoubles int `json:"kill_window_doubles,omitempty"`
 	// Unfinished counts messages with a delivery still unacknowledged when
 	// the run stopped early; 0 after a complete run.
 	Unfinished int `json:"unfinished"`

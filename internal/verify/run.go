@@ -307,11 +307,14 @@ func (b *broker) account(s settled, acked bool) (delay time.Duration, _ bool) {
 		rep.DuplicatesSkipped++
 	case Conflict:
 		rep.Conflicts++
-	case CrashedBeforeCommit, CrashedAfterCommit:
-		if res.Outcome == CrashedBeforeCommit {
+	case CrashedBeforeCommit, CrashedAfterCommit, Killed:
+		switch res.Outcome {
+		case CrashedBeforeCommit:
 			rep.CrashesBeforeCommit++
-		} else {
+		case CrashedAfterCommit:
 			rep.CrashesAfterCommit++
+		default:
+			rep.KilledDeliveries++
 		}
 		// Nobody acknowledged or rejected it: the broker waits out its
 		// visibility timeout.

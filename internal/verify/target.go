@@ -109,6 +109,9 @@ const (
 	// never causes (every copy of a message carries the same payload). The
 	// delivery is dead-lettered (acknowledged) and the run fails.
 	Conflict
+	// Killed: the consumer's whole process was SIGKILLed (RunProcesses)
+	// with the delivery in flight; nothing acknowledged it.
+	Killed
 )
 
 var outcomeNames = [...]string{
@@ -121,6 +124,7 @@ var outcomeNames = [...]string{
 	StoreFailed:         "store_failed",
 	LeaseLost:           "lease_lost",
 	Conflict:            "conflict",
+	Killed:              "killed",
 }
 
 // String returns the outcome's name, such as "crashed_after_commit".

@@ -106,8 +106,14 @@ func requireExactlyOnce(t *testing.T, cfg verify.Config, rep verify.Report) {
 	}
 	// Each consumer that crashed holding a claim is taken over exactly
 	// once; any other take-over replaced an owner that was still working.
-	if rep.Mode == verify.LeaseMode && rep.LeasesLost == 0 && rep.Takeovers != rep.CrashesBeforeCommit {
+	// With processes killed, a claim held by a killed process is taken
+	// over too.
+	if rep.Mode == verify.LeaseMode && rep.LeasesLost == 0 && rep.Processes == 0 && rep.Takeovers != rep.CrashesBeforeCommit {
 		t.Errorf("takeovers %d != crashes before commit %d", rep.Takeovers, rep.CrashesBeforeCommit)
+	}
+	if rep.Mode == verify.LeaseMode && rep.LeasesLost == 0 && rep.Processes > 0 &&
+		(rep.Takeovers < rep.CrashesBeforeCommit || rep.Takeovers > rep.CrashesBeforeCommit+rep.KilledDeliveries) {
+		t.Errorf("takeovers %d outside crashes before commit %d + deliveries killed in flight %d", rep.Takeovers, rep.CrashesBeforeCommit, rep.KilledDeliveries)
 	}
 	// A plain inbox holds no leases. A layered one holds a short lease in
 	// its fast store while the transaction runs, so it may nack.

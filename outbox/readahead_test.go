@@ -1,0 +1,122 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+
+	"github.com/dedupkit/dedup/outbox"
+	"github.com/dedupkit/dedup/pgstore"
+)
+
+// countingSource counts the relay's reads ahead.
+type countingSource struct {
+	*pgstore.OutboxSource
+	ahead, kept atomic.Int64
+}
+
+func (c *countingSource) FetchNext(ctx context.Context, l outbox.Lease, inflight []outbox.Message, limit int, skip bool) ([]outbox.Message, error) {
+	c.ahead.Add(1)
+	m, err := c.OutboxSource.FetchNext(ctx, l, inflight, limit, skip)
+	if len(m) > 0 {
+		c.kept.Add(1)
+	}
+	return m, err
+}
+
+// FetchNext passes over the batch in flight, returns what a read after
+// its mark would return first, and lets a row committed late below the
+// batch cut its key (it waits for a plain read) instead of being
+// overtaken by its key's later rows.
+func TestFetchNextSkipsInFlightAndCutsLateKeys(t *testing.T) {
+	t.Parallel()
+	r := newRig(t, pgstore.WithOutboxPartitions(1))
+	ctx := context.Background()
+	late, err := r.s.Pool().Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx)
+	if err := r.s.WriteOutbox(ctx, late, msg("late-a", "a")); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 6 {
+		r.write(msg(fmt.Sprint("evt-", i), []string{"a", "b"}[i%2]))
+	}
+	l, _, err := r.src.Acquire(ctx, "me", 0, 3600e9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := r.src.Fetch(ctx, l, 2, false)
+	if err != nil || len(first) != 2 || first[0].ID != "evt-0" || first[1].ID != "evt-1" {
+		t.Fatalf("Fetch = %v, %v", ids(first), err)
+	}
+	next, err := r.src.FetchNext(ctx, l, first, 2, false)
+	if err != nil || len(next) != 2 || next[0].ID != "evt-2" || next[1].ID != "evt-3" || len(next[0].Payload) == 0 {
+		t.Fatalf("FetchNext = %v, %v; want evt-2, evt-3 with their bodies", ids(next), err)
+	}
+	// The late row (a lower id than the batch in flight) commits now.
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	next, err = r.src.FetchNext(ctx, l, first, 10, false)
+	if err != nil || len(next) != 2 || next[0].ID != "evt-3" || next[1].ID != "evt-5" {
+		t.Fatalf("FetchNext after the late commit = %v, %v; want only key b's rows (key a waits behind late-a)", ids(next), err)
+	}
+	if err := r.src.Mark(ctx, l, []int64{first[0].Seq, first[1].Seq}); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := r.src.Fetch(ctx, l, 10, false)
+	if err != nil || len(plain) != 5 || plain[0].ID != "late-a" {
+		t.Fatalf("Fetch after the mark = %v, %v; want late-a first", ids(plain), err)
+	}
+}
+
+func ids(ms []outbox.Message) []string {
+	var out []string
+	for _, m := range ms {
+		out = append(out, m.ID)
+	}
+	return out
+}
+
+// A relay on one partition reads ahead under a backlog, throws the read
+// away after a batch with a failure, and still publishes every row with
+// each key's messages first acknowledged in order.
+func TestReadAheadKeepsOrderThroughFailures(t *testing.T) {
+	t.Parallel()
+	r := newRig(t, pgstore.WithOutboxPartitions(1))
+	if err := r.src.CreateIndex(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	src := &countingSource{OutboxSource: r.src}
+	const n, keys = 600, 7
+	var batch []outbox.Message
+	for i := range n {
+		batch = append(batch, msg(fmt.Sprint("evt-", i), fmt.Sprint("agg-", i%keys)))
+	}
+	r.write(batch...)
+	pub := newFakePub()
+	for i := 13; i < n; i += 97 {
+		pub.transient[fmt.Sprint("evt-", i)] = 2
+	}
+	rl, err := outbox.NewRelay(src, pub, outbox.WithBatchSize(25), outbox.WithPollInterval(20e6), outbox.WithLeaseTTL(300e6),
+		outbox.WithBackoff(5e6, 20e6))
+	if err != nil {
+		t.Fatal(err)
+	}
+	go rl.Run(context.Background())
+	t.Cleanup(func() { rl.Close() })
+	eventually(t, "every row published", func() bool { return rl.Stats().Published == n })
+	if got := len(pub.published()); got != n {
+		t.Fatalf("%d distinct messages acknowledged, want %d", got, n)
+	}
+	checkOrder(t, pub, keys, n)
+	if src.ahead.Load() == 0 || src.kept.Load() == 0 {
+		t.Fatalf("%d reads ahead, %d kept: the relay never read ahead", src.ahead.Load(), src.kept.Load())
+	}
+	if rl.Stats().Failed == 0 {
+		t.Fatal("no failure recorded: the failure path was not exercised")
+	}
+}

@@ -1,0 +1,159 @@
+package pgstore_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+)
+
+// BenchmarkBatchVsRaw puts Store.ClaimBatch and Store.CompleteBatch beside
+// the raw statements a hand-written consumer would send on a table laid
+// out like the store's (a copy of its records table, same columns and
+// indexes), at 100 and 1000 keys a batch, from one goroutine:
+//
+//   - raw-claim: INSERT ... SELECT FROM unnest(...) ON CONFLICT DO
+//     NOTHING, returning nothing (it cannot tell a duplicate from a new
+//     key, or return a stored result).
+//   - claim: Store.ClaimBatch with the same keys, fingerprints and lease.
+//   - raw-complete: UPDATE ... FROM unnest(...) fenced by the token,
+//     completing what raw-claim inserted (no ordered locking).
+//   - complete: Store.CompleteBatch of what ClaimBatch acquired.
+//   - raw-complete-ordered: raw-complete after the row locks in key order
+//     that CompleteBatch takes (issue 12), written the same way (a CTE of
+//     one FOR NO KEY UPDATE probe per item): the floor for a batch
+//     completion that cannot deadlock, completing what a second raw-claim
+//     inserted.
+//
+// Every op is one round: the two claims in an order that alternates from
+// round to round, then the three completions in an order that rotates, each timed alone
+// (the inputs are built outside the timer). It reports each case's keys
+// per second over its own time and the two ratios (ours over raw). Run
+// it through /tmp/bench with -count 5 for five ratios:
+//
+//	go test -run '^$' -bench BatchVsRaw -benchtime 200x -count 5 ./pgstore/
+func BenchmarkBatchVsRaw(b *testing.B) {
+	for _, size := range []int{100, 1000} {
+		b.Run(fmt.Sprintf("size=%d", size), func(b *testing.B) {
+			s, raw := benchStore(b)
+			ctx := context.Background()
+			rawClaim := `INSERT INTO ` + raw + ` (scope, id, state, token, fingerprint, lease_until, expires_at, attempts)
+SELECT u.scope, u.id, 1, u.token, u.fp, now() + interval '30 seconds', now() + interval '30 seconds 1 minute', 1
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
+ON CONFLICT DO NOTHING`
+			rawComplete := `UPDATE ` + raw + ` r SET result = u.result, expires_at = now() + interval '1 hour', state = 2
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
+WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1`
+			rawOrdered := `WITH l AS MATERIALIZED (
+	SELECT count(*) AS n FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, token)
+	CROSS JOIN LATERAL (
+		SELECT 1 FROM ` + raw + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x)
+UPDATE ` + raw + ` r SET result = u.result, expires_at = now() + interval '1 hour', state = 2
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
+WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AND (SELECT n FROM l) >= 0`
+			g := newIDs()
+			result := []byte("ok")
+			var took [5]time.Duration // raw-claim, claim, raw-complete, complete, raw-complete-ordered
+			timed := func(i int, f func() error) {
+				start := time.Now()
+				err := f()
+				took[i] += time.Since(start)
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
+			round := 0
+			step := func() {
+				scopes, idv, toks, fps, results := make([]string, size), make([]string, size), make([][]byte, size), make([][]byte, size), make([][]byte, size)
+				idv2 := make([]string, size)
+				reqs := make([]dedup.ClaimRequest, size)
+				for i := range size {
+					t := dedup.NewToken()
+					scopes[i], idv[i], idv2[i], toks[i], fps[i], results[i] = benchScope, g.next(), g.next(), t[:], []byte(fpA), result
+					reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: g.next()}, Fingerprint: fpA}
+				}
+				// The keys of the ordered raw completion, claimed outside
+				// the timer and sorted as CompleteBatch sorts its items.
+				slices.Sort(idv2)
+				if _, err := s.Pool().Exec(ctx, rawClaim, scopes, idv2, toks, fps); err != nil {
+					b.Fatal(err)
+				}
+				var claims []dedup.Claim
+				claimCases := []func(){
+					func() {
+						timed(0, func() error { _, err := s.Pool().Exec(ctx, rawClaim, scopes, idv, toks, fps); return err })
+					},
+					func() {
+						timed(1, func() error {
+							var err error
+							claims, err = s.ClaimBatch(ctx, reqs, 30*time.Second)
+							if err == nil && claims[size-1].Outcome != dedup.Acquired {
+								err = fmt.Errorf("claim %v", claims[size-1].Outcome)
+							}
+							return err
+						})
+					},
+				}
+				claimCases[round%2]()
+				claimCases[(round+1)%2]()
+				items := make([]dedup.Completion, size)
+				for i, c := range claims {
+					items[i] = dedup.Completion{Claim: c, Result: result}
+				}
+				completeCases := []func(){
+					func() {
+						timed(2, func() error {
+							tag, err := s.Pool().Exec(ctx, rawComplete, scopes, idv, toks, results)
+							if err == nil && tag.RowsAffected() != int64(size) {
+								err = fmt.Errorf("raw complete updated %d rows", tag.RowsAffected())
+							}
+							return err
+						})
+					},
+					func() {
+						timed(3, func() error {
+							errs, err := s.CompleteBatch(ctx, items, time.Hour)
+							if err == nil && errs[size-1] != nil {
+								err = errs[size-1]
+							}
+							return err
+						})
+					},
+				}
+				completeCases = append(completeCases, func() {
+					timed(4, func() error {
+						tag, err := s.Pool().Exec(ctx, rawOrdered, scopes, idv2, toks, results)
+						if err == nil && tag.RowsAffected() != int64(size) {
+							err = fmt.Errorf("raw ordered complete updated %d rows", tag.RowsAffected())
+						}
+						return err
+					})
+				})
+				for k := range completeCases {
+					completeCases[(k+round)%len(completeCases)]()
+				}
+				round++
+			}
+			for range 5 {
+				step() // connections dialled, statements prepared
+			}
+			took = [5]time.Duration{}
+			round = 0
+			for b.Loop() {
+				step()
+			}
+			rate := func(i int) float64 { return float64(round*size) / took[i].Seconds() }
+			b.ReportMetric(rate(0), "raw-claim-ids/s")
+			b.ReportMetric(rate(1), "claim-ids/s")
+			b.ReportMetric(rate(1)/rate(0), "claim/raw")
+			b.ReportMetric(rate(2), "raw-complete-ids/s")
+			b.ReportMetric(rate(3), "complete-ids/s")
+			b.ReportMetric(rate(3)/rate(2), "complete/raw")
+			b.ReportMetric(rate(4), "raw-ordered-complete-ids/s")
+			b.ReportMetric(rate(3)/rate(4), "complete/raw-ordered")
+		})
+	}
+}
