@@ -28,10 +28,21 @@ type CheckThenSet struct {
 	mu     sync.Mutex
 	m      map[dedup.Key]*record
 	closed bool
+	window time.Duration
 }
 
 // NewCheckThenSet returns an empty CheckThenSet store.
 func NewCheckThenSet() *CheckThenSet { return &CheckThenSet{m: map[dedup.Key]*record{}} }
+
+// WithWindow makes every claim wait d between its check and its write (the
+// default only yields the processor). Over a broker, where the two copies of
+// a message reach two consumers at moments the test does not control, a
+// window of a millisecond or two makes the race this store has certain to
+// show within a run instead of merely likely.
+func (s *CheckThenSet) WithWindow(d time.Duration) *CheckThenSet {
+	s.window = d
+	return s
+}
 
 func (s *CheckThenSet) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
 	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
@@ -64,7 +75,12 @@ func (s *CheckThenSet) Claim(ctx context.Context, key dedup.Key, fp dedup.Finger
 			return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: snapshot.attempt, LeaseUntil: snapshot.until}, nil
 		}
 	}
-	runtime.Gosched() // the window every check-then-set has; this only widens it
+	// The window every check-then-set has; this only widens it.
+	if s.window > 0 {
+		time.Sleep(s.window)
+	} else {
+		runtime.Gosched()
+	}
 
 	attempt := 1
 	if ok && !snapshot.completed {
