@@ -34,22 +34,7 @@ UPDATE `+schema+`.dedup_outbox SET quarantined_at = now(), attempts = 3, last_er
 	if code != exitOK || !strings.Contains(stdout, "poison") || !strings.Contains(stdout, "too large") || strings.Contains(stdout, "in-line") {
 		t.Fatalf("list --quarantined: %d\n%s", code, stdout)
 	}
-	code, stdout, _ = runArgs(t, append([]string{"outbox", "drop", "poison", "--dry-run"}, base...)...)
-	if code != exitOK || !strings.Contains(stdout, "dry run") {
-		t.Fatalf("drop --dry-run: %d %s", code, stdout)
-	}
-	code, _, stderr = runArgs(t, append([]string{"outbox", "drop", "in-line"}, base...)...)
-	if code != exitFail || !strings.Contains(stderr, "no quarantined outbox row") {
-		t.Fatalf("drop of a row in line: %d %s", code, stderr)
-	}
-	code, stdout, _ = runArgs(t, append([]string{"outbox", "retry", "poison"}, base...)...)
-	if code != exitOK || !strings.Contains(stdout, "back in line") {
-		t.Fatalf("retry: %d %s", code, stdout)
-	}
-	code, stdout, _ = runArgs(t, append([]string{"outbox", "status", "--json"}, base...)...)
-	if code != exitOK || !strings.Contains(stdout, `"backlog": 2`) || !strings.Contains(stdout, `"quarantined": 0`) {
-		t.Fatalf("status after retry: %d %s", code, stdout)
-	}
+	dropAndRetryPoison(t, base)
 	for _, args := range [][]string{{"outbox"}, {"outbox", "nope"}, {"outbox", "retry"}, {"outbox", "list", "--dry-run"}, {"outbox", "status", "--outbox-partitions", "0"}} {
 		if code, _, _ := runArgs(t, args...); code != exitUsage {
 			t.Errorf("%v: exit %d, want %d", args, code, exitUsage)
@@ -135,22 +120,7 @@ func TestOutboxCommandSQLite(t *testing.T) {
 	if code != exitOK || !strings.Contains(stdout, "in-line") || strings.Contains(stdout, "poison") {
 		t.Fatalf("list: %d\n%s", code, stdout)
 	}
-	code, stdout, _ = runArgs(t, append([]string{"outbox", "drop", "poison", "--dry-run"}, base...)...)
-	if code != exitOK || !strings.Contains(stdout, "dry run") {
-		t.Fatalf("drop --dry-run: %d %s", code, stdout)
-	}
-	code, _, stderr = runArgs(t, append([]string{"outbox", "drop", "in-line"}, base...)...)
-	if code != exitFail || !strings.Contains(stderr, "no quarantined outbox row") {
-		t.Fatalf("drop of a row in line: %d %s", code, stderr)
-	}
-	code, stdout, _ = runArgs(t, append([]string{"outbox", "retry", "poison"}, base...)...)
-	if code != exitOK || !strings.Contains(stdout, "back in line") {
-		t.Fatalf("retry: %d %s", code, stdout)
-	}
-	code, stdout, _ = runArgs(t, append([]string{"outbox", "status", "--json"}, base...)...)
-	if code != exitOK || !strings.Contains(stdout, `"backlog": 2`) || !strings.Contains(stdout, `"quarantined": 0`) {
-		t.Fatalf("status after retry: %d %s", code, stdout)
-	}
+	dropAndRetryPoison(t, base)
 	var attempts int
 	s.DB().QueryRow(`SELECT attempts FROM dedup_records_outbox WHERE message_key = 'poison'`).Scan(&attempts)
 	if attempts != 0 {
@@ -180,5 +150,29 @@ func TestOutboxCommandSQLite(t *testing.T) {
 		if code, _, _ := runArgs(t, args...); code != exitUsage {
 			t.Errorf("%v: exit %d, want %d", args, code, exitUsage)
 		}
+	}
+}
+
+// dropAndRetryPoison runs the admin commands both engines share on a table
+// holding one quarantined row, "poison", and one row in line, "in-line":
+// a dry-run drop, a refused drop of the row in line, a retry, and the status
+// that follows it.
+func dropAndRetryPoison(t *testing.T, base []string) {
+	t.Helper()
+	code, stdout, _ := runArgs(t, append([]string{"outbox", "drop", "poison", "--dry-run"}, base...)...)
+	if code != exitOK || !strings.Contains(stdout, "dry run") {
+		t.Fatalf("drop --dry-run: %d %s", code, stdout)
+	}
+	code, _, stderr := runArgs(t, append([]string{"outbox", "drop", "in-line"}, base...)...)
+	if code != exitFail || !strings.Contains(stderr, "no quarantined outbox row") {
+		t.Fatalf("drop of a row in line: %d %s", code, stderr)
+	}
+	code, stdout, _ = runArgs(t, append([]string{"outbox", "retry", "poison"}, base...)...)
+	if code != exitOK || !strings.Contains(stdout, "back in line") {
+		t.Fatalf("retry: %d %s", code, stdout)
+	}
+	code, stdout, _ = runArgs(t, append([]string{"outbox", "status", "--json"}, base...)...)
+	if code != exitOK || !strings.Contains(stdout, `"backlog": 2`) || !strings.Contains(stdout, `"quarantined": 0`) {
+		t.Fatalf("status after retry: %d %s", code, stdout)
 	}
 }

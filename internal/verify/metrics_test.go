@@ -79,16 +79,7 @@ func TestMetricsServedDuringRun(t *testing.T) {
 	cfg := verify.DefaultConfig()
 	cfg.Messages = 1500
 	tg := open(t, "memory", "", cfg)
-	m, err := verify.NewMetrics("simulated")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := dedupprom.Listen("127.0.0.1:0", m.Registry)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	url := "http://" + srv.Addr() + "/metrics"
+	m, url := serveMetrics(t, "simulated")
 	st := &scrapingTarget{Target: m.Instrument(tg), t: t, url: url, at: 400}
 	rep := run(t, cfg, st)
 	if !rep.OK {
@@ -142,20 +133,12 @@ func TestMetricsLayered(t *testing.T) {
 	cfg := verify.DefaultConfig()
 	cfg.Messages = 700
 	tg := open(t, "layered", "", cfg)
-	m, err := verify.NewMetrics("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv, err := dedupprom.Listen("127.0.0.1:0", m.Registry)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
+	m, url := serveMetrics(t, "")
 	rep := run(t, cfg, m.Instrument(tg))
 	if !rep.OK {
 		t.Fatalf("the run failed: %+v", rep)
 	}
-	end := get(t, "http://"+srv.Addr()+"/metrics")
+	end := get(t, url)
 	for layer, want := range map[string]int64{"window": rep.Layers["window"], "fast": rep.Layers["redis"], "durable": rep.Layers["durable"]} {
 		series := `dedup_layered_duplicates_total{layer="` + layer + `",store="layered"}`
 		if got := sample(end, series); got != float64(want) {
@@ -168,4 +151,20 @@ func TestMetricsLayered(t *testing.T) {
 	if got := sample(end, `dedup_claims_total{outcome="duplicate",scope="dedup-verify",store="layered"}`); got != float64(rep.DuplicatesSkipped) {
 		t.Errorf("duplicate claims %v, want %d", got, rep.DuplicatesSkipped)
 	}
+}
+
+// serveMetrics returns verify's metrics for a broker system ("" for none)
+// and the address of a real listener serving them until the test ends.
+func serveMetrics(t *testing.T, system string) (*verify.Metrics, string) {
+	t.Helper()
+	m, err := verify.NewMetrics(system)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := dedupprom.Listen("127.0.0.1:0", m.Registry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return m, "http://" + srv.Addr() + "/metrics"
 }
