@@ -173,47 +173,66 @@ func (s *Store) DropExpiredPartitions(ctx context.Context) ([]string, error) {
 			break // current and future partitions receive claims
 		}
 		q := s.names.qualify(p.Name[len(s.names.prefix):])
-		// Checked first without a lock, so that a partition with live
-		// records costs no stall.
-		var live bool
-		if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+q+` WHERE expires_at > statement_timestamp())`).Scan(&live); err != nil {
-			errs = append(errs, fmt.Errorf("check partition %s: %w", p.Name, err))
-			continue
-		}
-		if live {
-			continue
-		}
-		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = `+sqlLiteral(itoa(int(s.cfg.lockTimeout.Milliseconds()))+"ms")); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `LOCK TABLE `+s.names.recordsP+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-				return err
-			}
-			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+q+` WHERE expires_at > statement_timestamp())`).Scan(&live); err != nil {
-				return err
-			}
-			if live {
-				return errPartitionLive
-			}
-			_, err := tx.Exec(ctx, `DROP TABLE `+q)
-			return err
-		})
+		ok, err := s.dropPartition(ctx, "records", s.names.recordsP, q, p.Name,
+			`SELECT NOT EXISTS (SELECT 1 FROM `+q+` WHERE expires_at > statement_timestamp())`)
 		switch {
-		case err == nil:
+		case err != nil:
+			errs = append(errs, err)
+		case ok:
 			dropped = append(dropped, p.Name)
-		case errors.Is(err, errPartitionLive):
-		case isLockTimeout(err):
-			s.logger().InfoContext(ctx, "dedup records table busy; will try to drop the partition on the next pass", "partition", p.Name,
-				"lock_timeout", s.cfg.lockTimeout.String())
-		default:
-			errs = append(errs, fmt.Errorf("drop partition %s: %w", p.Name, err))
 		}
 	}
 	if len(errs) > 0 {
 		return dropped, s.fail(ctx, "drop partitions", errors.Join(errs...), false)
 	}
 	return dropped, nil
+}
+
+// dropPartition drops the range partition part (named name) of parent when
+// the boolean query droppable (with args) says it may go. The query runs
+// first without a lock, so that a partition still in use costs writers no
+// stall; then again in the transaction that drops it, after locking parent
+// ACCESS EXCLUSIVE (the parent first, the order writers lock in) for at
+// most the maintenance lock timeout, so that a row committed by a
+// transaction open when the range ended is seen. A partition that may not
+// go yet, or a parent too busy to lock (logged; the next pass tries
+// again), is not an error. what names the table in messages.
+func (s *Store) dropPartition(ctx context.Context, what, parent, part, name, droppable string, args ...any) (bool, error) {
+	var ok bool
+	if err := s.pool.QueryRow(ctx, droppable, args...).Scan(&ok); err != nil {
+		return false, fmt.Errorf("check %s partition %s: %w", what, name, err)
+	}
+	if !ok {
+		return false, nil
+	}
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = `+sqlLiteral(itoa(int(s.cfg.lockTimeout.Milliseconds()))+"ms")); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `LOCK TABLE `+parent+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		if err := tx.QueryRow(ctx, droppable, args...).Scan(&ok); err != nil {
+			return err
+		}
+		if !ok {
+			return errPartitionLive
+		}
+		_, err := tx.Exec(ctx, `DROP TABLE `+part)
+		return err
+	})
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, errPartitionLive):
+		return false, nil
+	case isLockTimeout(err):
+		s.logger().InfoContext(ctx, "dedup "+what+" table busy; will try to drop the partition on the next pass", "partition", name,
+			"lock_timeout", s.cfg.lockTimeout.String())
+		return false, nil
+	default:
+		return false, fmt.Errorf("drop %s partition %s: %w", what, name, err)
+	}
 }
 
 // isLockTimeout reports whether err is PostgreSQL's lock_not_available

@@ -247,41 +247,12 @@ func (s *Store) DropPublishedOutboxPartitions(ctx context.Context, olderThan tim
 		pq := s.names.qualify(p.Name[len(s.names.prefix):])
 		check := `SELECT NOT EXISTS (SELECT 1 FROM ` + pq + ` WHERE published_at IS NULL)
 	AND NOT EXISTS (SELECT 1 FROM ` + pq + ` WHERE published_at >= statement_timestamp() - ($1::int8 * interval '1 microsecond'))`
-		// Checked first without a lock, so that a partition still in use
-		// costs writers no stall.
-		var ok bool
-		if err := s.pool.QueryRow(ctx, check, keep).Scan(&ok); err != nil {
-			errs = append(errs, fmt.Errorf("check outbox partition %s: %w", p.Name, err))
-			continue
-		}
-		if !ok {
-			continue
-		}
-		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = `+sqlLiteral(itoa(int(s.cfg.lockTimeout.Milliseconds()))+"ms")); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `LOCK TABLE `+s.names.outbox+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-				return err
-			}
-			if err := tx.QueryRow(ctx, check, keep).Scan(&ok); err != nil {
-				return err
-			}
-			if !ok {
-				return errPartitionLive
-			}
-			_, err := tx.Exec(ctx, `DROP TABLE `+pq)
-			return err
-		})
+		ok, err := s.dropPartition(ctx, "outbox", s.names.outbox, pq, p.Name, check, keep)
 		switch {
-		case err == nil:
+		case err != nil:
+			errs = append(errs, err)
+		case ok:
 			dropped = append(dropped, p.Name)
-		case errors.Is(err, errPartitionLive):
-		case isLockTimeout(err):
-			s.logger().InfoContext(ctx, "dedup outbox table busy; will try to drop the partition on the next pass", "partition", p.Name,
-				"lock_timeout", s.cfg.lockTimeout.String())
-		default:
-			errs = append(errs, fmt.Errorf("drop outbox partition %s: %w", p.Name, err))
 		}
 	}
 	if len(errs) > 0 {
