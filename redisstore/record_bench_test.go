@@ -192,6 +192,23 @@ end
 return out
 `
 
+// previousCompleteOne is the single-key complete script the previous
+// version ran for every Complete, for the server-time baseline.
+const previousCompleteOne = `
+local old = redis.call('GET', KEYS[1])
+if not old or string.sub(old, 2, 17) ~= ARGV[1] then return 0 end
+local k = string.byte(old)
+if k ~= 1 then
+	if k == 2 or k == 99 then return 1 end
+	return 0
+end
+local ret = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local exp = struct.pack('>I6', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ret)
+redis.call('PSETEX', KEYS[1], ARGV[3], '\2' .. ARGV[1] .. exp .. string.sub(old, 24) .. ARGV[2])
+return 1
+`
+
 // BenchmarkCompleteServerTime: Redis server time per completed key, from
 // INFO commandstats (usec of the script or SET commands, reset before
 // each phase) and from the server's CPU time (which adds reading and
@@ -203,7 +220,11 @@ return out
 //   - text-batch: the previous text records and complete script, 128
 //     keys a call;
 //   - ours-batch: CompleteBatch (128 keys a call);
-//   - ours-single: Complete, one script call a key, from 64 goroutines.
+//   - ours-single: Complete from 64 goroutines (coalesced: concurrent
+//     calls share script calls);
+//   - ours-lone: Complete from one goroutine (one script call a key);
+//   - single-script: the previous Complete, one script call a key from 64
+//     goroutines (previousCompleteOne below), the baseline of ours-single.
 func BenchmarkCompleteServerTime(b *testing.B) {
 	srv, s := benchServer(b)
 	_ = srv
@@ -228,6 +249,28 @@ func BenchmarkCompleteServerTime(b *testing.B) {
 	prevSHA, err := c.Do(ctx, c.B().ScriptLoad().Script(previousCompleteMany).Build()).ToString()
 	if err != nil {
 		b.Fatal(err)
+	}
+	oneSHA, err := c.Do(ctx, c.B().ScriptLoad().Script(previousCompleteOne).Build()).ToString()
+	if err != nil {
+		b.Fatal(err)
+	}
+	// from64 runs op(i) for i in [0, keys) from 64 goroutines.
+	from64 := func(op func(i int) error) {
+		errc := make(chan error, 64)
+		for g := range 64 {
+			go func() {
+				var err error
+				for i := g; i < keys && err == nil; i += 64 {
+					err = op(i)
+				}
+				errc <- err
+			}()
+		}
+		for range 64 {
+			if err := <-errc; err != nil {
+				b.Fatal(err)
+			}
+		}
 	}
 	type phase struct {
 		name     string
@@ -279,21 +322,31 @@ func BenchmarkCompleteServerTime(b *testing.B) {
 		{name: "ours-single", cmds: []string{"evalsha", "eval"}, prepare: func() func() {
 			claims := claim(3)
 			return func() {
-				errc := make(chan error, 64)
-				for g := range 64 {
-					go func() {
-						var err error
-						for i := g; i < keys && err == nil; i += 64 {
-							err = s.Complete(ctx, claims[i], result, time.Hour)
-						}
-						errc <- err
-					}()
-				}
-				for range 64 {
-					if err := <-errc; err != nil {
+				from64(func(i int) error { return s.Complete(ctx, claims[i], result, time.Hour) })
+			}
+		}},
+		{name: "ours-lone", cmds: []string{"evalsha", "eval"}, prepare: func() func() {
+			claims := claim(4)
+			return func() {
+				for _, cl := range claims {
+					if err := s.Complete(ctx, cl, result, time.Hour); err != nil {
 						b.Fatal(err)
 					}
 				}
+			}
+		}},
+		{name: "single-script", cmds: []string{"evalsha"}, prepare: func() func() {
+			claims := claim(5)
+			return func() {
+				from64(func(i int) error {
+					cl := claims[i]
+					n, err := c.Do(ctx, c.B().Evalsha().Sha1(oneSHA).Numkeys(1).Key(s.RedisKey(cl.Key)).
+						Arg(string(cl.Token[:]), string(result), "3600000").Build()).AsInt64()
+					if err == nil && n != 1 {
+						err = fmt.Errorf("previous complete script answered %d", n)
+					}
+					return err
+				})
 			}
 		}},
 	}

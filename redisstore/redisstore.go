@@ -29,9 +29,10 @@ type Store struct {
 	holdArg   string // hold as a script argument
 	closed    atomic.Bool
 
-	claim, complete, release, extend *script
-	completeMany                     *script
-	cluster                          bool // keys of one script must share a slot
+	claim, release, extend *script
+	completeMany           *script
+	coalesce               *coalescer // concurrent Complete calls, sent together
+	cluster                bool       // keys of one script must share a slot
 
 	ackReplicas int64 // WAIT for this many replicas after a completion (0: no WAIT)
 	ackTimeout  int64 // ms
@@ -148,16 +149,16 @@ func New(c rueidis.Client, opts ...Option) (*Store, error) {
 		return nil, err
 	}
 	return &Store{
-		client:   c,
-		prefix:   cfg.prefix,
-		hold:     cfg.hold.Milliseconds(),
-		holdArg:  strconv.FormatInt(cfg.hold.Milliseconds(), 10),
-		claim:    newScript(claimScript),
-		complete: newScript(completeScript),
-		release:  newScript(releaseScript),
-		extend:   newScript(extendScript),
+		client:  c,
+		prefix:  cfg.prefix,
+		hold:    cfg.hold.Milliseconds(),
+		holdArg: strconv.FormatInt(cfg.hold.Milliseconds(), 10),
+		claim:   newScript(claimScript),
+		release: newScript(releaseScript),
+		extend:  newScript(extendScript),
 
 		completeMany: newScript(completeManyScript),
+		coalesce:     newCoalescer(),
 		cluster:      c.Mode() == rueidis.ClientModeCluster,
 		ackReplicas:  int64(cfg.ackReplicas),
 		ackTimeout:   cfg.ackTimeout.Milliseconds(),
@@ -439,7 +440,8 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	return out, nil
 }
 
-// Complete implements [dedup.Store].
+// Complete implements [dedup.Store]. Concurrent calls are sent together,
+// as one CompleteBatch (see coalesce.go); a lone call is sent at once.
 func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, retention time.Duration) error {
 	if err := dedup.ValidateComplete(c, retention); err != nil {
 		return err
@@ -447,15 +449,7 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	if err := s.begin(ctx, "complete"); err != nil {
 		return err
 	}
-	cl := call{s.complete, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), string(result), ms(retention)}}
-	if s.ackReplicas > 0 {
-		res, ackErr := s.execAcked(ctx, []call{cl})
-		if err := s.fenced("complete", res[0]); err != nil || ackErr[0] == nil {
-			return err
-		}
-		return s.fail("complete", ackErr[0])
-	}
-	return s.fenced("complete", cl.sc.exec(ctx, s.client, cl.keys, cl.args))
+	return s.completeCoalesced(ctx, c, result, retention)
 }
 
 // CompleteBatch implements [dedup.BatchCompleter] in one pipeline: the
@@ -473,6 +467,14 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	if len(items) == 0 {
 		return []error{}, nil
 	}
+	errs := make([]error, len(items))
+	s.completeItems(ctx, items, retention, errs)
+	return errs, nil
+}
+
+// completeItems completes valid items with one retention in one pipeline
+// and sets errs[i] for items[i].
+func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, retention time.Duration, errs []error) {
 	ret := ms(retention)
 	keys := make([]string, len(items))
 	for i := range items {
@@ -496,26 +498,40 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	} else {
 		results = execCalls(ctx, s.client, calls)
 	}
-	errs := make([]error, len(items))
 	for g, res := range results {
 		idx := groups[g]
-		vals, err := res.ToArray()
-		if err == nil && len(vals) != len(idx) {
-			err = fmt.Errorf("complete script answered %d values for %d keys", len(vals), len(idx))
-		}
+		done, err := completeReply(res, len(idx))
 		for j, i := range idx {
-			if err != nil {
+			switch {
+			case err != nil:
 				errs[i] = s.fail("complete", err)
-				continue
-			}
-			n, verr := vals[j].AsInt64()
-			errs[i] = s.fencedValue("complete", n, verr)
-			if errs[i] == nil && ackErrs != nil && ackErrs[g] != nil {
+			case done != "" && done[j] != '1':
+				errs[i] = dedup.ErrLeaseLost
+			case ackErrs != nil && ackErrs[g] != nil:
 				errs[i] = s.fail("complete", ackErrs[g])
 			}
 		}
 	}
-	return errs, nil
+}
+
+// completeReply reads completeManyScript's reply for n keys: done is ""
+// when every key was done, else one byte a key ('1' done, '0' lease lost).
+// The reply's type tells the two apart (ToInt64 takes only an integer).
+func completeReply(res rueidis.RedisResult, n int) (done string, err error) {
+	if err := res.Error(); err != nil {
+		return "", err
+	}
+	if v, err := res.ToInt64(); err == nil {
+		if v != 1 {
+			return "", fmt.Errorf("complete script answered %d", v)
+		}
+		return "", nil
+	}
+	done, err = res.ToString()
+	if err == nil && len(done) != n {
+		err = fmt.Errorf("complete script answered %d values for %d keys", len(done), n)
+	}
+	return done, err
 }
 
 // execAcked runs calls as execCalls does, each pipeline followed by WAIT

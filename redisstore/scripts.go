@@ -171,56 +171,45 @@ redis.call('SET', KEYS[1], '\1' .. ARGV[2] .. struct.pack('>I6I4', hold, a) .. f
 return {1, -a, lease}
 `
 
-// completeScript: KEYS[1]; ARGV[1] token, ARGV[2] result, ARGV[3]
-// retention ms. Returns 1 done (or already done by this token), 0 lease
-// lost. The token is compared at its fixed offset; the completed record is
-// the kind, the token, the expiry, the in-progress record's bytes from the
-// attempt on (copied, not decoded) and the result.
-const completeScript = `
-local old = redis.call('GET', KEYS[1])
-if not old or string.sub(old, 2, 17) ~= ARGV[1] then return 0 end
-local k = string.byte(old)
-if k ~= 1 then
-	if k == 2 or k == 99 then return 1 end
-	return 0
-end
-local ret = tonumber(ARGV[3])
-` + luaExpiry + `
-redis.call('PSETEX', KEYS[1], ARGV[3], '\2' .. ARGV[1] .. exp .. string.sub(old, 24) .. ARGV[2])
-return 1
-`
-
 // completeManyScript completes several records of one slot in one call:
 // KEYS; ARGV[1] retention ms, then for KEYS[i] ARGV[2i] its token and
-// ARGV[2i+1] its result. Each key as completeScript, with one MGET for all
-// of them and one clock read; returns the array of their answers, in
-// order. A key given twice is decided the second time on what the first
-// wrote (wrote), not on the MGET's value from before it. PSETEX is SET PX
-// with one argument fewer to convert; per key the script's time goes
-// mostly to that write (about half), the MGET and the arguments (measured
-// in BenchmarkCompleteServerTime).
+// ARGV[2i+1] its result. Each key's token is compared at its fixed offset
+// (a plain find that must match at byte 2, which builds no substring): a
+// missing record or another token is lease lost, a record this token
+// already completed is done again with no change. The completed record is
+// the kind, the token, the expiry, the in-progress record's bytes from the
+// attempt on (copied, not decoded) and the result. One MGET for all of
+// them and one clock read. It returns the integer 1 when every key was
+// done, else a string of one byte a key, in order: '1' done, '0' lease
+// lost (one reply to encode and parse, not one a key). A key given twice
+// is decided the second time on what the first wrote (wrote), not on the
+// MGET's value from before it. PSETEX is SET PX with one argument fewer to
+// convert; per key the script's time goes mostly to that write, the MGET
+// and the arguments (measured in BenchmarkCompleteServerTime).
 const completeManyScript = `
 local ret = tonumber(ARGV[1])
 ` + luaExpiry + `
 local vals = redis.call('MGET', unpack(KEYS))
-local out, wrote = {}, {}
+local out, wrote, lost = {}, {}, false
 for i, k in ipairs(KEYS) do
 	local old, tok = wrote[k] or vals[i], ARGV[2 * i]
-	local r = 0
-	if old and string.sub(old, 2, 17) == tok then
+	local r = '0'
+	if old and string.find(old, tok, 2, true) == 2 then
 		local s = string.byte(old)
 		if s == 1 then
 			local v = '\2' .. tok .. exp .. string.sub(old, 24) .. ARGV[2 * i + 1]
 			redis.call('PSETEX', k, ARGV[1], v)
 			wrote[k] = v
-			r = 1
+			r = '1'
 		elseif s == 2 or s == 99 then
-			r = 1
+			r = '1'
 		end
 	end
+	if r == '0' then lost = true end
 	out[i] = r
 end
-return out
+if not lost then return 1 end
+return table.concat(out)
 `
 
 // releaseScript: KEYS[1]; ARGV[1] token. Returns 1 released, 0 lease lost.
