@@ -61,16 +61,24 @@ func TestMaxBytes(t *testing.T) {
 			}
 			// Everything expires: new keys fit again.
 			clock.Advance(4 * time.Hour)
-			c, err := s.Claim(ctx, key(1000), "fp", time.Minute)
-			if err != nil || c.Outcome != dedup.Acquired {
-				t.Fatalf("after expiry: %v %v", c.Outcome, err)
-			}
-			before := s.Stats().Bytes
-			if err := s.Release(ctx, c); err != nil {
-				t.Fatal(err)
-			}
-			if got := s.Stats().Bytes; before-got != memstore.RecordOverhead+int64(len("b")+len("1000")+len("fp")) {
-				t.Errorf("release gave back %d bytes", before-got)
+			// A SHA-256 fingerprint is held inside the record; any other
+			// is counted by its length plus 48 bytes.
+			for _, fp := range []dedup.Fingerprint{dedup.FingerprintOf([]byte("x")), "fp"} {
+				c, err := s.Claim(ctx, key(1000), fp, time.Minute)
+				if err != nil || c.Outcome != dedup.Acquired {
+					t.Fatalf("after expiry: %v %v", c.Outcome, err)
+				}
+				before := s.Stats().Bytes
+				if err := s.Release(ctx, c); err != nil {
+					t.Fatal(err)
+				}
+				want := memstore.RecordOverhead + int64(len("b")+len("1000"))
+				if fp == "fp" {
+					want += 48 + int64(len(fp))
+				}
+				if got := s.Stats().Bytes; before-got != want {
+					t.Errorf("release of a claim with fingerprint %q gave back %d bytes, want %d", fp, before-got, want)
+				}
 			}
 		})
 	}

@@ -45,18 +45,149 @@ type Store struct {
 }
 
 type shard struct {
-	mu sync.Mutex
-	m  map[dedup.Key]*record
-	_  [48]byte // keep shards on separate cache lines
+	mu   sync.Mutex
+	m    map[dedup.Key]*record
+	slab []record  // records not handed out yet
+	free []*record // records given back, handed out first
+	next int       // length of the next slab
+	_    [56]byte  // keep shards on separate cache lines (128 bytes each)
 }
 
+// A record is 72 bytes, allocated from its shard's slabs (no allocation
+// per key, no size-class rounding) and reused once dropped. A fingerprint
+// made by [dedup.FingerprintOf] (or its siblings) is kept as its 32-byte
+// SHA-256 digest, not as its 71-byte text; any other fingerprint, and a
+// result, go in a separate allocation that most records do without.
 type record struct {
 	token     dedup.Token
-	fp        dedup.Fingerprint
-	result    []byte
-	until     int64 // lease end while in progress, expiry once completed
+	digest    [32]byte // the fingerprint's SHA-256 when fpKind is fpDigest
+	until     int64    // lease end while in progress, expiry once completed
 	attempt   int32
 	completed bool
+	fpKind    uint8
+	more      *extra // nil unless a result or an fpString fingerprint is kept
+}
+
+type extra struct {
+	fp     dedup.Fingerprint // when fpKind is fpString
+	result []byte
+}
+
+// How a record keeps its fingerprint.
+const (
+	fpNone   = iota // empty: not checked, matches any
+	fpDigest        // "sha256:" and 64 lowercase hex digits: kept as the 32 bytes
+	fpString        // anything else: kept as is in more.fp
+)
+
+// A print is a claim's fingerprint parsed once: its kind, and its digest
+// when it has one.
+type print struct {
+	fp     dedup.Fingerprint
+	kind   uint8
+	digest [32]byte
+}
+
+const digestPrefix = "sha256:"
+
+// parsePrint sorts fp. Only lowercase hex is taken as a digest, so that
+// the digest turns back into exactly the string that was given: two
+// fingerprints are equal as digests only if they are equal as strings.
+func parsePrint(fp dedup.Fingerprint) (p print) {
+	p.fp = fp
+	switch {
+	case fp == "":
+		return p
+	case len(fp) != len(digestPrefix)+64 || fp[:len(digestPrefix)] != digestPrefix:
+		p.kind = fpString
+		return p
+	}
+	h := fp[len(digestPrefix):]
+	for i := range p.digest {
+		hi, ok1 := unhex(h[2*i])
+		lo, ok2 := unhex(h[2*i+1])
+		if !ok1 || !ok2 {
+			p.kind = fpString
+			return p
+		}
+		p.digest[i] = hi<<4 | lo
+	}
+	p.kind = fpDigest
+	return p
+}
+
+func unhex(c byte) (byte, bool) {
+	switch {
+	case '0' <= c && c <= '9':
+		return c - '0', true
+	case 'a' <= c && c <= 'f':
+		return c - 'a' + 10, true
+	}
+	return 0, false
+}
+
+// matches is [dedup.Fingerprint.Matches] of p against r's fingerprint.
+func (r *record) matches(p *print) bool {
+	switch {
+	case p.kind == fpNone || r.fpKind == fpNone:
+		return true
+	case p.kind != r.fpKind:
+		return false
+	case p.kind == fpDigest:
+		return p.digest == r.digest
+	}
+	return p.fp == r.more.fp
+}
+
+// setPrint stores p as r's fingerprint.
+func (r *record) setPrint(p *print) {
+	r.fpKind, r.digest = p.kind, p.digest
+	if p.kind == fpString {
+		r.more = &extra{fp: p.fp}
+	}
+}
+
+func (r *record) result() []byte {
+	if r.more == nil {
+		return nil
+	}
+	return r.more.result
+}
+
+// size is what WithMaxBytes counts for r under key k.
+func (r *record) size(k dedup.Key) int64 {
+	n := int64(RecordOverhead + len(k.Scope) + len(k.ID))
+	if r.more != nil {
+		n += extraSize + int64(len(r.more.fp)+len(r.more.result))
+	}
+	return n
+}
+
+// extraSize is the size of an extra, counted when a record has one.
+const extraSize = 48
+
+// alloc hands out a zero record from the shard's slabs. Slabs start small
+// and double up to 256 records, so a store of few keys stays small.
+func (sh *shard) alloc() *record {
+	if n := len(sh.free); n > 0 {
+		r := sh.free[n-1]
+		sh.free[n-1] = nil
+		sh.free = sh.free[:n-1]
+		return r
+	}
+	if len(sh.slab) == 0 {
+		sh.next = min(max(2*sh.next, 4), 256)
+		sh.slab = make([]record, sh.next)
+	}
+	r := &sh.slab[0]
+	sh.slab = sh.slab[1:]
+	return r
+}
+
+// recycle gives r back for reuse.
+func (sh *shard) recycle(r *record) {
+	*r = record{}
+	sh.free = append(sh.free, r)
 }
 
 type config struct {
@@ -100,12 +231,10 @@ func WithStrictCapacity() Option { return option(func(cfg *config) { cfg.strict 
 func WithMaxBytes(n int64) Option { return option(func(cfg *config) { cfg.maxBytes = n }) }
 
 // RecordOverhead is what [WithMaxBytes] counts for a record beyond its
-// key, fingerprint and result: the map entry, the record and its pointers.
-const RecordOverhead = 160
-
-func recordSize(k dedup.Key, fp dedup.Fingerprint, result []byte) int64 {
-	return int64(RecordOverhead + len(k.Scope) + len(k.ID) + len(fp) + len(result))
-}
+// key, fingerprint and result: the map entry and the 72-byte record, which
+// holds a fingerprint made by [dedup.FingerprintOf] inline. Another
+// fingerprint, or a result, is counted by its length plus 48 bytes.
+const RecordOverhead = 136
 
 func defaultConfig() config {
 	return config{clock: dedup.SystemClock{}, capacity: 1_000_000, shards: 64}
@@ -188,31 +317,32 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := s.begin(ctx, "claim"); err != nil {
 		return dedup.Claim{}, err
 	}
+	p := parsePrint(fp)
 	sh := s.shard(key)
+	now := s.now()
 	sh.mu.Lock()
-	c, err := s.claimLocked(sh, key, fp, lease, s.now())
+	c, err := s.claimLocked(sh, key, &p, lease, now)
 	sh.mu.Unlock()
 	return c, err
 }
 
-func (s *Store) claimLocked(sh *shard, key dedup.Key, fp dedup.Fingerprint, lease time.Duration, now int64) (dedup.Claim, error) {
+func (s *Store) claimLocked(sh *shard, key dedup.Key, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
 	r, found := sh.m[key]
 	attempt := int32(1)
+	takeOver := false
 	if found {
 		live := r.until > now
 		switch {
-		case (live || !r.completed) && !fp.Matches(r.fp):
+		case (live || !r.completed) && !r.matches(p):
 			return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, nil
 		case r.completed && live:
 			return dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt),
-				Result: clone(r.result), ExpiresAt: s.time(r.until)}, nil
+				Result: clone(r.result()), ExpiresAt: s.time(r.until)}, nil
 		case live:
 			return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt), LeaseUntil: s.time(r.until)}, nil
 		case !r.completed: // lease expired: take over, keep the original fingerprint
 			attempt = r.attempt + 1
-			if r.fp != "" {
-				fp = r.fp
-			}
+			takeOver = true
 		}
 	} else {
 		if len(sh.m) >= s.perShard {
@@ -221,21 +351,34 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, fp dedup.Fingerprint, leas
 			}
 		}
 		if s.maxBytes > 0 {
-			if err := s.fitBytes(sh, recordSize(key, fp, nil), now); err != nil {
+			size := int64(RecordOverhead + len(key.Scope) + len(key.ID))
+			if p.kind == fpString {
+				size += extraSize + int64(len(p.fp))
+			}
+			if err := s.fitBytes(sh, size, now); err != nil {
 				return dedup.Claim{}, err
 			}
 		}
 	}
-	if !found {
-		r = new(record)
-		sh.m[key] = r
-		s.bytes.Add(recordSize(key, fp, nil))
+	var before int64
+	if found {
+		before = r.size(key)
 	} else {
-		s.bytes.Add(int64(len(fp)-len(r.fp)) - int64(len(r.result)))
+		r = sh.alloc()
+		sh.m[key] = r
 	}
-	*r = record{token: dedup.NewToken(), fp: fp, until: dedup.DeadlineNanos(now, lease), attempt: attempt}
-	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: r.token, Attempt: int(attempt),
-		TakenOver: attempt > 1, LeaseUntil: s.time(r.until)}, nil
+	token, until := dedup.NewToken(), dedup.DeadlineNanos(now, lease)
+	if takeOver && r.fpKind != fpNone {
+		// An in-progress record has no result: only its fingerprint is
+		// kept.
+		r.token, r.until, r.attempt = token, until, attempt
+	} else {
+		*r = record{token: token, until: until, attempt: attempt}
+		r.setPrint(p)
+	}
+	s.bytes.Add(r.size(key) - before)
+	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: int(attempt),
+		TakenOver: attempt > 1, LeaseUntil: s.time(until)}, nil
 }
 
 // makeRoom frees one slot in a full shard: it samples up to 32 records
@@ -287,27 +430,43 @@ func (s *Store) fitBytes(sh *shard, size int64, now int64) error {
 	return &dedup.StoreError{Store: storeName, Op: "claim", Err: dedup.ErrFull, NotApplied: true}
 }
 
-// drop deletes the record r of key k from sh and uncounts its bytes.
+// drop deletes the record r of key k from sh, uncounts its bytes and
+// recycles it.
 func (s *Store) drop(sh *shard, k dedup.Key, r *record) {
 	delete(sh.m, k)
-	s.bytes.Add(-recordSize(k, r.fp, r.result))
+	s.bytes.Add(-r.size(k))
+	sh.recycle(r)
 }
 
 // Complete implements [dedup.Store].
+//
+// The key is validated only when no record of it holds the claim's token:
+// a record that does was claimed under this key, which Claim validated, so
+// a bad key still gets its [*dedup.ArgumentError] and changes nothing.
 func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, retention time.Duration) error {
-	if err := dedup.ValidateComplete(c, retention); err != nil {
-		return err
+	if retention <= 0 || c.Outcome != dedup.Acquired || c.Token.IsZero() {
+		return dedup.ValidateComplete(c, retention)
 	}
 	if err := s.begin(ctx, "complete"); err != nil {
+		if verr := c.Key.Validate(); verr != nil {
+			return verr
+		}
 		return err
 	}
 	sh := s.shard(c.Key)
+	now := s.now()
 	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	return s.completeLocked(sh, c, result, retention)
+	err := s.completeLocked(sh, c, result, retention, now)
+	sh.mu.Unlock()
+	if err != nil {
+		if verr := c.Key.Validate(); verr != nil {
+			return verr
+		}
+	}
+	return err
 }
 
-func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retention time.Duration) error {
+func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retention time.Duration, now int64) error {
 	r, ok := sh.m[c.Key]
 	switch {
 	case !ok || r.token != c.Token:
@@ -315,8 +474,15 @@ func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retentio
 	case r.completed: // the same owner completing again: no change
 		return nil
 	}
-	r.completed, r.result, r.until = true, clone(result), dedup.DeadlineNanos(s.now(), retention)
-	s.bytes.Add(int64(len(r.result)))
+	r.completed, r.until = true, dedup.DeadlineNanos(now, retention)
+	if len(result) > 0 {
+		if r.more == nil {
+			r.more = &extra{}
+			s.bytes.Add(extraSize)
+		}
+		r.more.result = clone(result)
+		s.bytes.Add(int64(len(result)))
+	}
 	return nil
 }
 
@@ -330,10 +496,11 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 		return nil, err
 	}
 	errs := make([]error, len(items))
+	now := s.now()
 	for i, it := range items {
 		sh := s.shard(it.Claim.Key)
 		sh.mu.Lock()
-		errs[i] = s.completeLocked(sh, it.Claim, it.Result, retention)
+		errs[i] = s.completeLocked(sh, it.Claim, it.Result, retention, now)
 		sh.mu.Unlock()
 	}
 	return errs, nil
@@ -394,9 +561,10 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	out := make([]dedup.Claim, len(reqs))
 	now := s.now()
 	for i, r := range reqs {
+		p := parsePrint(r.Fingerprint)
 		sh := s.shard(r.Key)
 		sh.mu.Lock()
-		c, err := s.claimLocked(sh, r.Key, r.Fingerprint, lease, now)
+		c, err := s.claimLocked(sh, r.Key, &p, lease, now)
 		sh.mu.Unlock()
 		if err != nil {
 			return nil, err
@@ -464,6 +632,7 @@ func (s *Store) Close() error {
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		clear(sh.m)
+		sh.slab, sh.free = nil, nil
 		sh.mu.Unlock()
 	}
 	s.bytes.Store(0)

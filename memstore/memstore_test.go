@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -96,5 +98,106 @@ func TestCapacityEvictsLiveWhenFull(t *testing.T) {
 		if c.Outcome != dedup.InProgress {
 			t.Fatalf("in-progress record %d was evicted: %v", i, c.Outcome)
 		}
+	}
+}
+
+// TestFingerprintForms: a SHA-256 fingerprint is kept as its digest and
+// any other as its text, and the answers are those of comparing the
+// strings: the same digest in uppercase hex is another fingerprint, a
+// digest never equals a text, the empty fingerprint matches both, and a
+// take-over keeps the fingerprint of the claim it takes over.
+func TestFingerprintForms(t *testing.T) {
+	ctx := context.Background()
+	clock := storetest.NewClock()
+	s, err := memstore.New(memstore.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	a, b := dedup.FingerprintOf([]byte("a")), dedup.FingerprintOf([]byte("b"))
+	upperA := dedup.Fingerprint("sha256:" + strings.ToUpper(string(a[len("sha256:"):])))
+	short := a[:len(a)-1]
+	forms := []dedup.Fingerprint{a, b, upperA, short, "custom", dedup.Fingerprint("sha256:" + strings.Repeat("g", 64))}
+	for i, stored := range forms {
+		key := dedup.Key{Scope: "fp", ID: strconv.Itoa(i)}
+		c, err := s.Claim(ctx, key, stored, time.Minute)
+		if err != nil || c.Outcome != dedup.Acquired {
+			t.Fatalf("claim %q: %v %v", stored, c.Outcome, err)
+		}
+		// In progress, then completed: the same answers by string equality.
+		for _, completed := range []bool{false, true} {
+			for _, asked := range append(forms, "") {
+				want := dedup.InProgress
+				if completed {
+					want = dedup.Duplicate
+				}
+				if !asked.Matches(stored) {
+					want = dedup.Mismatch
+				}
+				got, err := s.Claim(ctx, key, asked, time.Minute)
+				if err != nil || got.Outcome != want {
+					t.Errorf("stored %q (completed %v), asked %q: %v %v, want %v", stored, completed, asked, got.Outcome, err, want)
+				}
+			}
+			if !completed {
+				if err := s.Complete(ctx, c, []byte("r"), time.Hour); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+	}
+	// A take-over by a claim without a fingerprint keeps the original one.
+	for i, stored := range []dedup.Fingerprint{a, "custom"} {
+		key := dedup.Key{Scope: "takeover", ID: strconv.Itoa(i)}
+		if c, err := s.Claim(ctx, key, stored, time.Second); err != nil || c.Outcome != dedup.Acquired {
+			t.Fatalf("claim: %v %v", c.Outcome, err)
+		}
+		clock.Advance(2 * time.Second)
+		c, err := s.Claim(ctx, key, "", time.Minute)
+		if err != nil || c.Outcome != dedup.Acquired || !c.TakenOver {
+			t.Fatalf("take-over: %+v %v", c, err)
+		}
+		if got, _ := s.Claim(ctx, key, b, time.Minute); got.Outcome != dedup.Mismatch {
+			t.Errorf("%q taken over: another fingerprint got %v, want a mismatch", stored, got.Outcome)
+		}
+		if got, _ := s.Claim(ctx, key, stored, time.Minute); got.Outcome != dedup.InProgress {
+			t.Errorf("%q taken over: its own fingerprint got %v, want in progress", stored, got.Outcome)
+		}
+	}
+}
+
+// TestRecordsReused: records of dropped keys are handed out again, so a
+// store whose keys expire as fast as they come does not allocate per key.
+func TestRecordsReused(t *testing.T) {
+	ctx := context.Background()
+	s, err := memstore.New(memstore.WithCapacity(64), memstore.WithShards(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	fp := dedup.FingerprintOf([]byte("p"))
+	keys := make([]dedup.Key, 4096)
+	for i := range keys {
+		keys[i] = dedup.Key{Scope: "reuse", ID: strconv.Itoa(i)}
+	}
+	i := 0
+	claim := func() {
+		c, err := s.Claim(ctx, keys[i%len(keys)], fp, time.Minute)
+		if err != nil || c.Outcome != dedup.Acquired {
+			t.Fatalf("claim %d: %v %v", i, c.Outcome, err)
+		}
+		if err := s.Complete(ctx, c, nil, time.Nanosecond); err != nil {
+			t.Fatal(err)
+		}
+		i++
+	}
+	for range 128 { // fill the store and its map
+		claim()
+	}
+	if n := testing.AllocsPerRun(1000, claim); n != 0 {
+		t.Errorf("%v allocations per new key in a full store of expired records, want 0", n)
+	}
+	if st := s.Stats(); st.Records > 64 {
+		t.Errorf("%d records in a store of capacity 64", st.Records)
 	}
 }
