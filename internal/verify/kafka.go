@@ -1,10 +1,12 @@
 package verify
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -130,6 +132,13 @@ func RunKafka(ctx context.Context, cfg Config, t Target, opts KafkaOptions) (Rep
 		fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.OffsetCommit}, Err: kerr.RequestTimedOut, Count: 5})
 		fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.OffsetCommit}, Err: kerr.CoordinatorLoadInProgress, Count: 5})
 	}
+	tr := openKafkaTrace(b.runID)
+	defer tr.close()
+	for p, s := range seqAt {
+		for off, seq := range s {
+			tr.logf("publish seq=%d p=%d off=%d", seq, p, off)
+		}
+	}
 	ends := make(map[int32]int64, parts)
 	for p, s := range seqAt {
 		ends[p] = int64(len(s))
@@ -142,13 +151,15 @@ func RunKafka(ctx context.Context, cfg Config, t Target, opts KafkaOptions) (Rep
 	var wg sync.WaitGroup
 	var deliveries atomic.Int64
 	var seen sync.Map // "p/o" -> deliveries so far
+	var memberIDs atomic.Int64
+	var skips atomic.Int64
 	for i := range members {
 		rng := rand.New(rand.NewPCG(cfg.Seed+uint64(i)+1, uint64(i)))
 		wg.Go(func() {
 			crashes := 0
 			for mctx.Err() == nil {
-				m := &kafkaMember{b: b, t: t, rng: rng, seeds: seeds, topic: topic, results: results, seen: &seen,
-					deliveries: &deliveries, leave: leave, hardEvery: hard, crashes: &crashes}
+				m := &kafkaMember{id: memberIDs.Add(1), tr: tr, b: b, t: t, rng: rng, seeds: seeds, topic: topic, results: results, seen: &seen,
+					deliveries: &deliveries, skips: &skips, leave: leave, hardEvery: hard, crashes: &crashes}
 				m.run(mctx)
 			}
 		})
@@ -182,6 +193,9 @@ loop:
 				if o.Topic != topic || o.Err != nil {
 					return
 				}
+				if o.At != watermark[o.Partition] {
+					tr.logf("fetched-commit p=%d at=%d watermark=%d", o.Partition, o.At, watermark[o.Partition])
+				}
 				for off := watermark[o.Partition]; off < min(o.At, ends[o.Partition]); off++ {
 					seq := seqAt[o.Partition][off]
 					b.pending[seq]--
@@ -206,6 +220,7 @@ loop:
 	}()
 	wg.Wait()
 	close(results)
+	b.report.SkippedPolls = int(skips.Load())
 	if stopped && offErr != nil && b.report.FirstError == "" {
 		b.report.FirstError = "read committed offsets: " + offErr.Error()
 	}
@@ -281,6 +296,8 @@ var errMemberCrashed = errors.New("verify: member crashed")
 // kafkaMember is one consumer-group member's life: from joining to a
 // crash, a graceful leave or the end of the run.
 type kafkaMember struct {
+	id         int64
+	tr         *kafkaTrace
 	b          *broker
 	t          Target
 	rng        *rand.Rand
@@ -292,6 +309,7 @@ type kafkaMember struct {
 	leave      int
 	hardEvery  int
 	crashes    *int
+	skips      *atomic.Int64
 
 	cl      *kgo.Client
 	mu      sync.Mutex
@@ -302,6 +320,7 @@ type kafkaMember struct {
 // kafkaPart is a member's position in one partition.
 type kafkaPart struct {
 	rewind int64 // first offset not committed by this member
+	pos    int64 // the offset the next poll of the partition starts at
 	next   kgo.EpochOffset
 	dirty  bool
 }
@@ -311,10 +330,15 @@ func (m *kafkaMember) run(ctx context.Context) {
 		kgo.DisableAutoCommit(), kgo.BlockRebalanceOnPoll(),
 		kgo.HeartbeatInterval(100*time.Millisecond), kgo.SessionTimeout(6*time.Second), kgo.RebalanceTimeout(10*time.Second),
 		kgo.FetchMaxWait(50*time.Millisecond),
+		kgo.OnPartitionsAssigned(func(ctx context.Context, cl *kgo.Client, assigned map[string][]int32) {
+			m.tr.logf("m%d assigned %v", m.id, assigned[m.topic])
+		}),
 		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+			m.tr.logf("m%d revoked %v crashed=%v", m.id, revoked[m.topic], m.crashed.Load())
 			m.release(ctx, revoked[m.topic], !m.crashed.Load())
 		}),
 		kgo.OnPartitionsLost(func(ctx context.Context, cl *kgo.Client, lost map[string][]int32) {
+			m.tr.logf("m%d lost %v", m.id, lost[m.topic])
 			m.release(ctx, lost[m.topic], false)
 		}))
 	if err != nil {
@@ -333,9 +357,18 @@ func (m *kafkaMember) run(ctx context.Context) {
 		if fs.IsClientClosed() {
 			return
 		}
+		fs.EachPartition(func(p kgo.FetchTopicPartition) {
+			if len(p.Records) > 0 {
+				m.tr.logf("m%d poll p=%d off=%d..%d", m.id, p.Partition, p.Records[0].Offset, p.Records[len(p.Records)-1].Offset)
+			}
+		})
+		fs.EachError(func(_ string, p int32, err error) {
+			m.tr.logf("m%d fetch error p=%d: %v", m.id, p, err)
+		})
 		err := m.round(ctx, fs)
 		if errors.Is(err, errMemberCrashed) {
 			*m.crashes++
+			m.tr.logf("m%d crash hard=%v", m.id, *m.crashes%m.hardEvery == 0)
 			if *m.crashes%m.hardEvery == 0 {
 				m.crashed.Store(true)
 				cl.AllowRebalance()
@@ -355,7 +388,39 @@ func (m *kafkaMember) run(ctx context.Context) {
 
 // round runs the records of one poll, partition by partition in offset
 // order. It stops at the first crash.
+//
+// Every partition of the poll is taken in hand before any record runs: the
+// client's fetch position has already moved past all the polled records, so
+// a crash while running the first partition must rewind the others too
+// (restart), or their records would never run and a later commit of those
+// partitions would pass over them. A poll that does not start where the
+// previous one of the partition ended is a skip the harness cannot judge:
+// it is counted (the run fails) and the partition is read again from what
+// this member committed.
 func (m *kafkaMember) round(ctx context.Context, fs kgo.Fetches) error {
+	skipped := false
+	m.mu.Lock()
+	fs.EachPartition(func(p kgo.FetchTopicPartition) {
+		if len(p.Records) == 0 {
+			return
+		}
+		first, last := p.Records[0].Offset, p.Records[len(p.Records)-1].Offset
+		st := m.parts[p.Partition]
+		if st == nil {
+			st = &kafkaPart{rewind: first, pos: first, next: kgo.EpochOffset{Epoch: -1, Offset: -1}}
+			m.parts[p.Partition] = st
+		}
+		if first != st.pos {
+			m.tr.logf("m%d skip p=%d polled from %d, expected %d", m.id, p.Partition, first, st.pos)
+			m.skips.Add(1)
+			skipped = true
+		}
+		st.pos = last + 1
+	})
+	m.mu.Unlock()
+	if skipped {
+		return errMemberCrashed
+	}
 	var err error
 	fs.EachPartition(func(p kgo.FetchTopicPartition) {
 		if err != nil || len(p.Records) == 0 {
@@ -363,10 +428,6 @@ func (m *kafkaMember) round(ctx context.Context, fs kgo.Fetches) error {
 		}
 		m.mu.Lock()
 		st := m.parts[p.Partition]
-		if st == nil {
-			st = &kafkaPart{rewind: p.Records[0].Offset, next: kgo.EpochOffset{Epoch: -1, Offset: -1}}
-			m.parts[p.Partition] = st
-		}
 		m.mu.Unlock()
 		for _, r := range p.Records {
 			if err = m.record(ctx, r, st); err != nil {
@@ -411,6 +472,7 @@ func (m *kafkaMember) record(ctx context.Context, r *kgo.Record, st *kafkaPart) 
 		s := settled{d: d, res: res, took: time.Since(start)}
 		select {
 		case m.results <- natsSettled{s: s, redelivered: n > 0}:
+			m.tr.logf("m%d apply p=%d off=%d seq=%d fault=%v -> %v", m.id, r.Partition, r.Offset, seq, d.Fault, res.Outcome)
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -448,8 +510,9 @@ func (m *kafkaMember) restart() {
 	set := map[int32]kgo.EpochOffset{}
 	for p, st := range m.parts {
 		set[p] = kgo.EpochOffset{Epoch: -1, Offset: st.rewind}
-		st.next, st.dirty = kgo.EpochOffset{Epoch: -1, Offset: -1}, false
+		st.pos, st.next, st.dirty = st.rewind, kgo.EpochOffset{Epoch: -1, Offset: -1}, false
 	}
+	m.tr.logf("m%d restart set %v", m.id, set)
 	if len(set) > 0 {
 		m.cl.SetOffsets(map[string]map[int32]kgo.EpochOffset{m.topic: set})
 	}
@@ -476,11 +539,13 @@ func (m *kafkaMember) commitLocked(ctx context.Context, only []int32) {
 	defer cancel()
 	m.cl.CommitOffsetsSync(cctx, map[string]map[int32]kgo.EpochOffset{m.topic: offs},
 		func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
+			m.tr.logf("m%d commit %v err=%v", m.id, offs, err)
 			if err != nil {
 				return
 			}
 			for _, t := range resp.Topics {
 				for _, p := range t.Partitions {
+					m.tr.logf("m%d commit p=%d -> %d code=%d", m.id, p.Partition, offs[p.Partition].Offset, p.ErrorCode)
 					if p.ErrorCode == 0 {
 						if st := m.parts[p.Partition]; st != nil {
 							st.rewind, st.dirty = offs[p.Partition].Offset, false
@@ -511,4 +576,48 @@ func (m *kafkaMember) release(ctx context.Context, ps []int32, commit bool) {
 	for _, p := range ps {
 		delete(m.parts, p)
 	}
+}
+
+// kafkaTrace records the history of a run's records (publication, polls,
+// outcomes, commits, rebalances) to the file named by
+// DEDUP_VERIFY_KAFKA_TRACE, to pin down how a lost or doubled message
+// came about. Unset, it records nothing.
+type kafkaTrace struct {
+	mu    sync.Mutex
+	start time.Time
+	f     *os.File
+	w     *bufio.Writer
+}
+
+func openKafkaTrace(runID string) *kafkaTrace {
+	path := os.Getenv("DEDUP_VERIFY_KAFKA_TRACE")
+	if path == "" {
+		return nil
+	}
+	f, err := os.Create(path + "." + runID)
+	if err != nil {
+		return nil
+	}
+	return &kafkaTrace{start: time.Now(), f: f, w: bufio.NewWriter(f)}
+}
+
+func (tr *kafkaTrace) logf(format string, args ...any) {
+	if tr == nil {
+		return
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	fmt.Fprintf(tr.w, "%9.3f ", time.Since(tr.start).Seconds()*1000)
+	fmt.Fprintf(tr.w, format, args...)
+	tr.w.WriteByte('\n')
+}
+
+func (tr *kafkaTrace) close() {
+	if tr == nil {
+		return
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	tr.w.Flush()
+	tr.f.Close()
 }

@@ -59,6 +59,13 @@ type Report struct {
 	// ConnectionDrops counts the broker connections cut mid-run
 	// (RunAMQP's DropEvery).
 	ConnectionDrops int `json:"connection_drops,omitempty"`
+	// SkippedPolls counts polls (RunKafka) that did not start where the
+	// member's previous poll of the partition ended: records the harness
+	// would have passed over without running. The member reads the
+	// partition again from its committed offset, but the run fails: the
+	// harness's model of the consumer is broken and its verdict cannot be
+	// trusted.
+	SkippedPolls int `json:"skipped_polls,omitempty"`
 	// SlowestDeliveryMS is the longest a consumer spent on one delivery,
 	// in milliseconds. In lease mode a delivery slower than the lease can
 	// be taken over while it works.
@@ -109,6 +116,9 @@ func (r *Report) Violations() []string {
 	}
 	if r.StrayEffects > 0 {
 		v = append(v, fmt.Sprintf("%d ledger rows for messages never published", r.StrayEffects))
+	}
+	if r.SkippedPolls > 0 {
+		v = append(v, fmt.Sprintf("%d Kafka polls skipped offsets (a harness fault: the verdict cannot be trusted)", r.SkippedPolls))
 	}
 	if r.Conflicts > 0 {
 		v = append(v, fmt.Sprintf("%d fingerprint conflicts on identical copies", r.Conflicts))
