@@ -220,7 +220,21 @@ type heldClaim struct {
 	ran   bool          // the handler returned: out is its output
 	out   []*kgo.Record // templates, copied for each produce
 	runs  int           // handler runs so far under this claim
+	// base is how many runs the key may have had before this claim: the
+	// store's earlier claims (Attempt-1), or more when this process ran
+	// the handler under a claim of its own that it lost (taken over and
+	// released or expired, evicted), which the store does not count. The
+	// handler is told Attempt base+runs.
+	base int
+	// lost marks a claim whose lease this process lost (Extend said so,
+	// or it ran too close to its end): it stays held only to carry its
+	// runs into the next claim of the key, even across transactions that
+	// abort while another owner holds the key.
+	lost bool
 }
+
+// attempt is the Attempt the next run of the handler is told.
+func (hc *heldClaim) attempt() int { return hc.base + hc.runs + 1 }
 
 // NewTransactor returns a transactor of topics in group, with the
 // transactional ID txnID (unique per member: a restarted member reuses its
@@ -335,7 +349,9 @@ func (t *Transactor) forget() {
 	for k, hc := range t.held {
 		if !t.assigned[hc.tp] {
 			delete(t.held, k)
-			t.st.leftToLease.Add(1)
+			if !hc.lost {
+				t.st.leftToLease.Add(1)
+			}
 		}
 	}
 }
@@ -353,7 +369,11 @@ func (t *Transactor) Run(ctx context.Context) error {
 	defer func() {
 		// Held claims die with this process: left to their lease.
 		t.mu.Lock()
-		t.st.leftToLease.Add(uint64(len(t.held)))
+		for _, hc := range t.held {
+			if !hc.lost {
+				t.st.leftToLease.Add(1)
+			}
+		}
 		clear(t.held)
 		t.mu.Unlock()
 	}()
@@ -466,19 +486,20 @@ func (t *Transactor) transaction(ctx context.Context, recs []*kgo.Record) (commi
 			continue
 		}
 		if !hc.ran {
+			attempt := hc.attempt()
 			hc.runs++
 			t.st.runs.Add(1)
-			out, herr := t.h(ctx, TxInput{Message: m, Record: r, Attempt: hc.claim.Attempt - 1 + hc.runs, TakenOver: hc.claim.TakenOver})
+			out, herr := t.h(ctx, TxInput{Message: m, Record: r, Attempt: attempt, TakenOver: hc.claim.TakenOver})
 			if herr != nil {
 				t.st.herrs.Add(1)
 				t.cfg.logger.Warn("dedupkafka: handler failed; the transaction aborts", slog.String("message_id", m.ID),
 					slog.String("source", sourceOf(r)), slog.Int("attempt", hc.runs), slog.Any("err", herr))
 				// NotStarted speaks for this run only: release only a
-				// claim no earlier run (ours, or a previous owner's
-				// before a take-over) may have started an effect under,
-				// or the next run would be told Attempt 1 and repeat it
-				// blind.
-				if notStarted(herr) && hc.runs == 1 && hc.claim.Attempt == 1 && !hc.claim.TakenOver {
+				// claim no earlier run (ours, under this claim or one we
+				// lost, or a previous owner's before a take-over) may
+				// have started an effect under, or the next run would be
+				// told Attempt 1 and repeat it blind.
+				if notStarted(herr) && attempt == 1 && !hc.claim.TakenOver {
 					t.release(ctx, key, hc)
 				} else {
 					t.keep(key, hc)
@@ -547,28 +568,39 @@ func (t *Transactor) transaction(ctx context.Context, recs []*kgo.Record) (commi
 // a new one. It returns nil, true for a duplicate, and false (with a wait)
 // when the transaction must abort: a store error, or the key in progress
 // under another owner.
+//
+// A held claim whose lease was lost is claimed anew, and the new claim
+// carries the handler runs made under the lost one: the store's attempt
+// count does not know them (it restarts at 1 when the key was released or
+// evicted meanwhile, and counts a claim, not its runs), and a run told
+// Attempt 1 after an earlier run may have started the effect would repeat
+// it blind.
 func (t *Transactor) acquire(ctx context.Context, key dedup.Key, r *kgo.Record) (*heldClaim, time.Duration, bool) {
 	t.mu.Lock()
 	hc := t.held[key]
 	t.mu.Unlock()
+	ran := 0 // runs of this process under claims of the key it lost
 	if hc != nil {
-		if t.ext != nil {
+		switch {
+		case hc.lost:
+		case t.ext != nil:
 			c, err := t.ext.Extend(ctx, hc.claim, t.cfg.lease)
 			switch {
 			case err == nil:
 				hc.claim.LeaseUntil = c.LeaseUntil
 				return hc, 0, true
 			case errors.Is(err, dedup.ErrLeaseLost):
-				t.drop(key) // taken over by another owner: claim anew below
+				hc.lost = true // taken over by another owner: claim anew below
 				t.st.leftToLease.Add(1)
 			default:
 				return nil, 0, false
 			}
-		} else if time.Until(hc.claim.LeaseUntil) > t.cfg.lease/2 {
+		case time.Until(hc.claim.LeaseUntil) > t.cfg.lease/2:
 			return hc, 0, true
-		} else {
-			t.drop(key) // too close to its end to trust: claim anew (a take-over of our own lease reads as one)
+		default:
+			hc.lost = true // too close to its end to trust: claim anew (a take-over of our own lease reads as one)
 		}
+		ran = hc.base + hc.runs
 	}
 	c, err := t.store.Claim(ctx, key, "", t.cfg.lease)
 	if err != nil {
@@ -577,8 +609,11 @@ func (t *Transactor) acquire(ctx context.Context, key dedup.Key, r *kgo.Record) 
 	}
 	switch c.Outcome {
 	case dedup.Acquired:
-		return &heldClaim{claim: c, tp: tp{r.Topic, r.Partition}}, 0, true
+		return &heldClaim{claim: c, tp: tp{r.Topic, r.Partition}, base: max(c.Attempt-1, ran)}, 0, true
 	case dedup.Duplicate:
+		if hc != nil {
+			t.drop(key)
+		}
 		return nil, 0, true
 	default: // InProgress (another owner); Mismatch cannot happen without a fingerprint
 		t.st.waits.Add(1)

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/memstore"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -350,3 +351,87 @@ func TestTransactorNotStartedAfterEffectKeepsClaim(t *testing.T) {
 	}
 	o.check(t, n)
 }
+
+// offsetClock is a store clock that a test moves forward.
+type offsetClock struct {
+	mu  sync.Mutex
+	off time.Duration
+}
+
+func (c *offsetClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return time.Now().Add(c.off)
+}
+
+func (c *offsetClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.off += d
+	c.mu.Unlock()
+}
+
+// A claim whose lease this process lost while its handler had already run
+// (and failed past its effect) is claimed anew; the new claim must carry
+// those runs into Attempt. Here the lost claim's key is taken over by
+// another owner, which releases it (its own run did not start), so the
+// store's attempt count restarts at 1: a transactor that trusts it tells
+// the next run Attempt 1, the handler repeats its effect blind, and a
+// NotStarted failure of that run would even release the key.
+func TestTransactorLostLeaseCarriesRuns(t *testing.T) {
+	const n = 20
+	_, seeds := cluster(t, 2, "in", "out")
+	produce(t, seeds, "in", n, 4, nil)
+	clock := &offsetClock{}
+	store, err := memstore.New(memstore.WithClock(clock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	const lease = 2 * time.Second
+	o := newOutside()
+	var mu sync.Mutex
+	var attempts []int // of m3, in order
+	var intruded atomic.Bool
+	h := func(ctx context.Context, in TxInput) ([]*kgo.Record, error) {
+		out, err := transform(o, nil)(ctx, in)
+		if in.Message.ID != "m3" {
+			return out, err
+		}
+		mu.Lock()
+		attempts = append(attempts, in.Attempt)
+		mu.Unlock()
+		if intruded.CompareAndSwap(false, true) {
+			// The effect ran; now the lease runs out (the store's clock
+			// moves past it), another owner takes the key over and gives
+			// it up, and this run times out.
+			clock.advance(lease + time.Second)
+			key := in.Message.ID
+			c, err := store.Claim(ctx, txKey(key), "", lease)
+			if err != nil || !c.TakenOver {
+				t.Errorf("the other owner's claim: %+v, %v", c, err)
+			} else if err := store.Release(ctx, c); err != nil {
+				t.Errorf("the other owner's release: %v", err)
+			}
+			return nil, errors.New("timed out after the effect")
+		}
+		return out, err
+	}
+	tr := newTransactor(t, seeds, "tx-lost", store, h, WithTxLease(lease))
+	stop := runTx(t, tr)
+	waitFor(t, "every input committed", func() bool { return tr.Stats().Applied+tr.Stats().Duplicates >= n && o.count() == n })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	o.check(t, n)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(attempts) < 2 || attempts[0] != 1 || attempts[1] < 2 {
+		t.Errorf("m3's runs were told attempts %v, want 1 and then more", attempts)
+	}
+	if o.reconciled == 0 {
+		t.Errorf("the run after the lost lease did not reconcile (attempts %v)", attempts)
+	}
+}
+
+// txKey is the dedup key newTransactor's transactors claim for id.
+func txKey(id string) dedup.Key { return dedup.Key{Scope: "kafka-tx", ID: id} }
