@@ -82,6 +82,13 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := s.begin(ctx, "apply"); err != nil {
 		return dedup.Claim{}, err
 	}
+	ref, err := s.ref(ctx, key)
+	if err == nil {
+		err = s.adoptKey(ctx, key)
+	}
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "apply", err, true)
+	}
 	tok := dedup.NewToken()
 	// A new key takes one statement that fails on any existing record,
 	// the cheapest claim there is; a record found acquirable (expired, or
@@ -91,7 +98,7 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		stmt = s.sql.pApply
 	}
 	for try := 1; ; try++ {
-		c, cur, err := s.applyOnce(ctx, stmt, key, fp, retention, &tok, result, writes)
+		c, cur, err := s.applyOnce(ctx, stmt, key, ref, fp, retention, &tok, result, writes)
 		if err != nil || cur == nil {
 			return c, err
 		}
@@ -106,7 +113,7 @@ func (s *Store) Apply(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 			}
 			continue
 		}
-		c, err = outcome(key, fp, nil, &cur.r)
+		c, err = outcome(key, fp, fpDigest(fp), nil, &cur.r)
 		if err != nil {
 			return dedup.Claim{}, s.fail(ctx, "apply read", err, true)
 		}
@@ -142,7 +149,7 @@ const (
 // early; see isDML.) When the claim found a record it could not acquire,
 // nothing was applied, and cur is that record, read in the next round
 // trip (with the block's ROLLBACK).
-func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, cur *current, err error) {
+func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, ref keyRef, fp dedup.Fingerprint, retention time.Duration, tok *dedup.Token, result []byte, writes *pgx.Batch) (c dedup.Claim, cur *current, err error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return c, nil, s.fail(ctx, "apply", err, true)
@@ -173,7 +180,8 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		b.Queue(beginRC)
 		b.Queue(s.sql.lock, s.keyLock(key))
 	}
-	b.Queue(stmt, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention), result)
+	fpd := fpDigest(fp)
+	b.Queue(stmt, ref.scope, ref.id, tok[:], fpd, micros(retention), result)
 	// The claim fails by design on a duplicate, and pgx drops a failed
 	// batch's statements from its statement cache, to be prepared again
 	// on their next use. In pgx's default mode the store's statements are
@@ -226,7 +234,7 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 		br.Close()
 		switch {
 		case checkFailed(err, applyTaken):
-			cur, err := s.readTaken(ctx, conn.Conn(), block, key, fp)
+			cur, err := s.readTaken(ctx, conn.Conn(), block, ref, fpd)
 			return c, cur, err
 		case writeRefused(err, stmt, s.sql.lock, beginRC, commitSQL):
 			return c, nil, err
@@ -243,8 +251,8 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 	if st := conn.Conn().PgConn().TxStatus(); st != 'I' {
 		return c, nil, s.fail(ctx, "apply", fmt.Errorf("the pipeline ended inside a transaction (status %q): nothing was committed", st), true)
 	}
-	r.state, r.token, r.fingerprint, r.result = stateCompleted, tok[:], fpBytes(fp), result
-	c, err = outcome(key, fp, tok, &r)
+	r.state, r.token, r.fingerprint, r.result = stateCompleted, tok[:], fpd, result
+	c, err = outcome(key, fp, fpd, tok, &r)
 	if err != nil {
 		return c, nil, s.fail(ctx, "apply", err, false)
 	}
@@ -258,7 +266,7 @@ func (s *Store) applyOnce(ctx context.Context, stmt string, key dedup.Key, fp de
 // rolling back the claim's aborted block first if it ran in one: one
 // round trip on conn (two in a mode where pgx describes a statement
 // before it runs it, which an aborted block refuses).
-func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, block bool, key dedup.Key, fp dedup.Fingerprint) (*current, error) {
+func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, block bool, ref keyRef, fpd []byte) (*current, error) {
 	var cur current
 	read := func(row pgx.Row) error {
 		err := row.Scan(append(cur.r.dest(), &cur.acq)...)
@@ -271,11 +279,11 @@ func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, block bool, key d
 	var err error
 	switch {
 	case !block:
-		err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
+		err = read(conn.QueryRow(ctx, s.sql.applyCurrent, ref.scope, ref.id, fpd))
 	case conn.Config().DefaultQueryExecMode == pgx.QueryExecModeCacheStatement:
 		b := &pgx.Batch{}
 		b.Queue(rollbackSQL)
-		b.Queue(s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp))
+		b.Queue(s.sql.applyCurrent, ref.scope, ref.id, fpd)
 		br := conn.SendBatch(ctx, b)
 		if _, err = br.Exec(); err == nil {
 			err = read(br.QueryRow())
@@ -285,7 +293,7 @@ func (s *Store) readTaken(ctx context.Context, conn *pgx.Conn, block bool, key d
 		}
 	default:
 		if _, err = conn.Exec(ctx, rollbackSQL); err == nil {
-			err = read(conn.QueryRow(ctx, s.sql.applyCurrent, key.Scope, key.ID, fpBytes(fp)))
+			err = read(conn.QueryRow(ctx, s.sql.applyCurrent, ref.scope, ref.id, fpd))
 		}
 	}
 	if err != nil {

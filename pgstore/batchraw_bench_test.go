@@ -1,6 +1,7 @@
 package pgstore_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/pgstore"
 )
 
 // BenchmarkBatchVsRaw puts Store.ClaimBatch and Store.CompleteBatch beside
@@ -40,19 +42,22 @@ func BenchmarkBatchVsRaw(b *testing.B) {
 		b.Run(fmt.Sprintf("size=%d", size), func(b *testing.B) {
 			s, raw := benchStore(b)
 			ctx := context.Background()
-			rawClaim := `INSERT INTO ` + raw + ` (scope, id, state, token, fingerprint, lease_until, expires_at, attempts)
-SELECT u.scope, u.id, 1, u.token, u.fp, now() + interval '30 seconds', now() + interval '30 seconds 1 minute', 1
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
+			// The raw statements write the store's layout as a
+			// hand-written consumer would: the scope's integer, the ID's
+			// and the fingerprint's stored bytes, built outside the timer.
+			rawClaim := `INSERT INTO ` + raw + ` (scope, id, state, token, fingerprint, deadline, attempts)
+SELECT u.scope, u.id, 1, u.token, u.fp, now() + interval '30 seconds', 1
+FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
 ON CONFLICT DO NOTHING`
-			rawComplete := `UPDATE ` + raw + ` r SET result = u.result, expires_at = now() + interval '1 hour', state = 2
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
+			rawComplete := `UPDATE ` + raw + ` r SET result = u.result, deadline = now() + interval '1 hour', state = 2
+FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1`
 			rawOrdered := `WITH l AS MATERIALIZED (
-	SELECT count(*) AS n FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, token)
+	SELECT count(*) AS n FROM unnest($1::int4[], $2::bytea[], $3::bytea[]) AS u(scope, id, token)
 	CROSS JOIN LATERAL (
 		SELECT 1 FROM ` + raw + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x)
-UPDATE ` + raw + ` r SET result = u.result, expires_at = now() + interval '1 hour', state = 2
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
+UPDATE ` + raw + ` r SET result = u.result, deadline = now() + interval '1 hour', state = 2
+FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AND (SELECT n FROM l) >= 0`
 			g := newIDs()
 			result := []byte("ok")
@@ -67,17 +72,17 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 			}
 			round := 0
 			step := func() {
-				scopes, idv, toks, fps, results := make([]string, size), make([]string, size), make([][]byte, size), make([][]byte, size), make([][]byte, size)
-				idv2 := make([]string, size)
+				scopes, idv, toks, fps, results := make([]int32, size), make([][]byte, size), make([][]byte, size), make([][]byte, size), make([][]byte, size)
+				idv2 := make([][]byte, size)
 				reqs := make([]dedup.ClaimRequest, size)
 				for i := range size {
 					t := dedup.NewToken()
-					scopes[i], idv[i], idv2[i], toks[i], fps[i], results[i] = benchScope, g.next(), g.next(), t[:], []byte(fpA), result
+					scopes[i], idv[i], idv2[i], toks[i], fps[i], results[i] = 1, pgstore.EncodeID(g.next()), pgstore.EncodeID(g.next()), t[:], pgstore.FingerprintDigest(fpA), result
 					reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: g.next()}, Fingerprint: fpA}
 				}
 				// The keys of the ordered raw completion, claimed outside
 				// the timer and sorted as CompleteBatch sorts its items.
-				slices.Sort(idv2)
+				slices.SortFunc(idv2, bytes.Compare)
 				if _, err := s.Pool().Exec(ctx, rawClaim, scopes, idv2, toks, fps); err != nil {
 					b.Fatal(err)
 				}

@@ -70,8 +70,10 @@ func BenchmarkClaimOne(b *testing.B) {
 	s, raw := benchStore(b)
 	sp, _ := benchStore(b, pgstore.WithPartitions(24*time.Hour))
 	ctx := context.Background()
-	naive := `INSERT INTO ` + raw + ` (scope, id, state, token, lease_until, expires_at, attempts)
-VALUES ($1, $2, 1, $3, now() + interval '30 seconds', now() + interval '1 day', 1) ON CONFLICT DO NOTHING`
+	// The baselines write the compact layout (scope as its integer, the
+	// ID as bytes): the same table the store writes.
+	naive := `INSERT INTO ` + raw + ` (scope, id, state, token, deadline, attempts)
+VALUES (length($1::text), convert_to($2::text, 'UTF8'), 1, $3, now() + interval '30 seconds', 1) ON CONFLICT DO NOTHING`
 	run := func(name string, f func(id string) error) {
 		for _, par := range []int{1, 16} {
 			b.Run(fmt.Sprintf("%s/goroutines=%d", name, par), func(b *testing.B) {
@@ -133,8 +135,8 @@ func BenchmarkClaimBatch(b *testing.B) {
 	s, raw := benchStore(b)
 	sp, _ := benchStore(b, pgstore.WithPartitions(24*time.Hour))
 	ctx := context.Background()
-	unnest := `INSERT INTO ` + raw + ` (scope, id, state, token, fingerprint, lease_until, expires_at, attempts)
-SELECT u.scope, u.id, 1, u.token, u.fp, now() + interval '30 seconds', now() + interval '1 day', 1
+	unnest := `INSERT INTO ` + raw + ` (scope, id, state, token, fingerprint, deadline, attempts)
+SELECT length(u.scope), convert_to(u.id, 'UTF8'), 1, u.token, u.fp, now() + interval '30 seconds', 1
 FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
 ON CONFLICT DO NOTHING`
 	for _, size := range []int{100, 1000} {
@@ -181,11 +183,11 @@ ON CONFLICT DO NOTHING`
 				rows := make([][]any, size)
 				now := time.Now()
 				for i := range rows {
-					rows[i] = []any{sc[i], id[i], int16(1), tk[i], fp[i], now, now.Add(24 * time.Hour), int32(1)}
+					rows[i] = []any{int32(len(sc[i])), []byte(id[i]), int16(1), tk[i], fp[i], now.Add(30 * time.Second), int32(1)}
 				}
 				b.StartTimer()
 				_, err := s.Pool().CopyFrom(ctx, pgx.Identifier{schemaOf(s), "raw"},
-					[]string{"scope", "id", "state", "token", "fingerprint", "lease_until", "expires_at", "attempts"}, pgx.CopyFromRows(rows))
+					[]string{"scope", "id", "state", "token", "fingerprint", "deadline", "attempts"}, pgx.CopyFromRows(rows))
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -408,8 +410,8 @@ func BenchmarkInbox(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	naiveDedup := `INSERT INTO ` + raw + ` (scope, id, state, token, lease_until, expires_at, attempts)
-VALUES ($1, $2, 2, '\x01', now(), now() + interval '1 hour', 1) ON CONFLICT DO NOTHING`
+	naiveDedup := `INSERT INTO ` + raw + ` (scope, id, state, token, deadline, attempts)
+VALUES (length($1::text), convert_to($2::text, 'UTF8'), 2, '\x01', now() + interval '1 hour', 1) ON CONFLICT DO NOTHING`
 	write := func(st *pgstore.Store) string {
 		return `INSERT INTO ` + st.Tables().Schema + `.ledger (msg_id, amount) VALUES ($1, 100)`
 	}

@@ -2,41 +2,106 @@ package pgstore_test
 
 import (
 	"context"
-	"crypto/sha256"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/pgstore"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// BenchmarkBytesPerRow measures what a record costs on disk: it claims and
-// completes rows keys through the store (ClaimBatch and CompleteBatch of
-// 1000, each completion one batch behind its claim, as a consumer works),
-// with message IDs that are UUIDs in text (36 bytes), a fingerprint of
-// the payload as dedup.FingerprintOf makes it ("sha256:" and 64 hex
-// digits) and an 8-byte result, and then reports the records table's heap
-// (pg_table_size: heap, free space map, visibility map, TOAST) and index
-// bytes (pg_indexes_size) per live row, as they are right after the last
-// completion. Autovacuum runs as the server is configured; the benchmark
-// logs whether it is on (the shared test server has it off; point
-// DEDUP_POSTGRES_URL at a server with the defaults for the figure
-// docs/benchmarks.md quotes).
+// oldStore returns a store whose schema is migrated to version 5 only,
+// with the layout of records before migration 0006, and the statements of
+// that version rendered for it.
+func oldStore(b *testing.B, pool *pgxpool.Pool) (schema string, claimBatch, completeBatch, claim string) {
+	b.Helper()
+	schema = freshSchema(b, pool)
+	s, err := pgstore.New(pool, pgstore.WithSchema(schema))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { s.Close() })
+	if _, err := pgstore.MigrateTo(context.Background(), s, 5); err != nil {
+		b.Fatal(err)
+	}
+	r := func(q string) string { return strings.ReplaceAll(q, `"OLDSCHEMA"`, s.Tables().Schema) }
+	return schema, r(oldSQLClaimBatch), r(oldSQLCompleteBatch), r(oldSQLClaim)
+}
+
+// oldBatch sends the version-5 ClaimBatch statement as that version's
+// ClaimBatch did (keys in order, text arrays, batch-prefixed tokens, the
+// fingerprint's text) and reads its rows; it returns the tokens.
+func oldBatch(ctx context.Context, pool *pgxpool.Pool, q string, reqs []dedup.ClaimRequest) ([][]byte, error) {
+	n := len(reqs)
+	scopes, ids, toks, fps := make([]string, n), make([]string, n), make([][]byte, n), make([][]byte, n)
+	prefix := dedup.NewToken()
+	for i, r := range reqs {
+		t := make([]byte, 16)
+		copy(t, prefix[:8])
+		t[15], t[14] = byte(i), byte(i>>8)
+		scopes[i], ids[i], toks[i], fps[i] = r.Key.Scope, r.Key.ID, t, []byte(r.Fingerprint)
+	}
+	rows, err := pool.Query(ctx, q, scopes, ids, toks, fps, (30 * time.Second).Microseconds(), prefix[:8])
+	if err != nil {
+		return nil, err
+	}
+	var got int
+	for rows.Next() {
+		var scope, id *string
+		var state int16
+		var tok, fp, res []byte
+		var attempts int32
+		var lease, exp time.Time
+		if err := rows.Scan(&scope, &id, &state, &tok, &attempts, &fp, &res, &lease, &exp); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		if state == 0 {
+			got += int(attempts)
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	if got != n {
+		return nil, fmt.Errorf("old claim batch acquired %d of %d", got, n)
+	}
+	return toks, nil
+}
+
+// BenchmarkBytesPerRow measures what a record costs on disk and what the
+// compact layout of migration 0006 costs in claim throughput against the
+// layout before it (schema version 5), in one process. It claims and
+// completes rows keys (1,000,000; -short 100,000) through both, in batches
+// of 1000, each completion one batch behind its claim as a consumer
+// works: the store's ClaimBatch and CompleteBatch on the compact table,
+// and the version-5 statements (sent as version 5 sent them) on a schema
+// migrated to version 5, the two in an order that alternates from batch
+// to batch, each timed alone. Message IDs are UUIDs in text (36 bytes),
+// the fingerprint is dedup.FingerprintOf's ("sha256:" and 64 hex digits),
+// the result 8 bytes.
 //
-// Beside it, in the same run and with the same keys, a compact prototype
-// of the record that issue 20 asks for, filled by the equivalent raw
-// statements: the scope as an integer, one deadline column (the lease end
-// while in progress, the expiry once completed), the token as uuid, the
-// message ID as uuid (the keys are UUIDs), no created_at, no index but
-// the primary key (so a completion is a HOT update), fillfactor 60, and
-// the fingerprint as its 32-byte digest instead of hex. It is
-// not the store's schema: it says how far a redesign can go.
+// Beside them, the floor: a table with the compact layout filled with
+// the same completed records by one INSERT each (no claim, so no update
+// and no dead version), fillfactor 100 and only the primary key: the
+// smallest PostgreSQL table that holds the same facts (key, fingerprint,
+// token, state, attempts, deadline, result).
+//
+// It reports each table's heap (pg_table_size) and index bytes
+// (pg_indexes_size) per live row right after the last completion, and
+// the claim and completion rates of both layouts with their ratios.
+// Autovacuum runs as the server is configured (point DEDUP_POSTGRES_URL
+// at a server with the defaults; the shared test server has it off):
 //
 //	DEDUP_POSTGRES_URL=postgres://... go test -run '^$' -bench BytesPerRow -benchtime 1x ./pgstore/
-//
-// -short claims 100,000 keys instead of 1,000,000.
 func BenchmarkBytesPerRow(b *testing.B) {
 	rows := 1_000_000
 	if testing.Short() {
@@ -51,84 +116,162 @@ func BenchmarkBytesPerRow(b *testing.B) {
 		b.Fatal(err)
 	}
 	b.Logf("autovacuum = %s", autovacuum)
-	proto := s.Tables().Schema + ".proto"
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+proto+` (
-	until       timestamptz NOT NULL,
-	scope       int4        NOT NULL,
-	attempts    int4        NOT NULL,
-	state       int2        NOT NULL,
-	token       uuid        NOT NULL,
-	id          uuid        NOT NULL,
-	fingerprint bytea       NOT NULL,
-	result      bytea,
-	PRIMARY KEY (scope, id)) WITH (fillfactor = 60)`); err != nil {
+	// DEDUP_FILLFACTOR tries another fillfactor on the store's table (the
+	// measurement that chose the migration's).
+	if ff := os.Getenv("DEDUP_FILLFACTOR"); ff != "" {
+		if _, err := pool.Exec(ctx, `ALTER TABLE `+s.Tables().Records+` SET (fillfactor = `+strconv.Itoa(atoi(b, ff))+`)`); err != nil {
+			b.Fatal(err)
+		}
+		b.Logf("fillfactor = %s", ff)
+	}
+	oldSchema, oldClaim, oldComplete, _ := oldStore(b, pool)
+	floor := s.Tables().Schema + ".floor"
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+floor+` (LIKE `+s.Tables().Records+` INCLUDING ALL) WITH (fillfactor = 100)`); err != nil {
 		b.Fatal(err)
 	}
-	protoClaim := `INSERT INTO ` + proto + ` (until, scope, attempts, state, token, id, fingerprint)
-SELECT now() + interval '30 seconds', 1, 1, 1, u.token, u.id, u.fp
-FROM unnest($1::uuid[], $2::uuid[], $3::bytea[]) AS u(id, token, fp)
-ON CONFLICT DO NOTHING`
-	protoComplete := `UPDATE ` + proto + ` r SET until = now() + interval '1 day', state = 2, result = $3::bytea
-FROM unnest($1::uuid[], $2::uuid[]) AS u(id, token)
-WHERE r.scope = 1 AND r.id = u.id AND r.token = u.token`
-	uuidText := func(u [16]byte) string {
+	var scope int32
+	if err := pool.QueryRow(ctx, `SELECT `+fn(s, "scope_id")+`($1)`, benchScope).Scan(&scope); err != nil {
+		b.Fatal(err)
+	}
+	floorInsert := `INSERT INTO ` + floor + ` (deadline, scope, attempts, state, token, id, fingerprint, result)
+SELECT now() + interval '1 hour', $1::int4, 1, 2, u.token, u.id, u.fp, $4::bytea
+FROM unnest($2::bytea[], $3::bytea[], $5::bytea[]) AS u(id, token, fp)`
+	uuidText := func() string {
+		var u [16]byte
+		for j := range u {
+			u[j] = byte(rand.Uint32())
+		}
 		return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 	}
 	result := []byte("12345678")
+	var took [4]time.Duration // new claim, old claim, new complete, old complete
+	timed := func(i int, f func() error) {
+		start := time.Now()
+		err := f()
+		took[i] += time.Since(start)
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
 	for b.Loop() {
 		var pending []dedup.Completion
-		var pendingIDs, pendingToks [][16]byte
+		var oldPending []dedup.ClaimRequest
+		var oldToks [][]byte
 		start := time.Now()
-		for done := 0; done < rows; done += batch {
+		for round := 0; round*batch < rows; round++ {
 			reqs := make([]dedup.ClaimRequest, batch)
-			pids, ptoks, pfps := make([][16]byte, batch), make([][16]byte, batch), make([][]byte, batch)
+			ids, toks, fps := make([][]byte, batch), make([][]byte, batch), make([][]byte, batch)
 			for i := range reqs {
-				var id [16]byte
-				for j := range id {
-					id[j] = byte(rand.Uint32())
-				}
-				payload := id[:]
-				fp := dedup.FingerprintOf(payload)
-				digest := sha256.Sum256(payload)
-				pids[i], ptoks[i], pfps[i] = id, dedup.NewToken(), digest[:]
-				reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: uuidText(id)}, Fingerprint: fp}
+				id := uuidText()
+				fp := dedup.FingerprintOf([]byte(id))
+				t := dedup.NewToken()
+				reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: id}, Fingerprint: fp}
+				ids[i], toks[i], fps[i] = pgstore.EncodeID(id), t[:], pgstore.FingerprintDigest(fp)
 			}
-			cs, err := s.ClaimBatch(ctx, reqs, 30*time.Second)
-			if err != nil {
-				b.Fatal(err)
+			// The old statement needs its keys in order, as its
+			// ClaimBatch sorted them.
+			sorted := append([]dedup.ClaimRequest(nil), reqs...)
+			sortReqs(sorted)
+			var cs []dedup.Claim
+			var newToks [][]byte
+			claims := []func(){
+				func() {
+					timed(0, func() error {
+						var err error
+						cs, err = s.ClaimBatch(ctx, reqs, 30*time.Second)
+						return err
+					})
+				},
+				func() {
+					timed(1, func() error {
+						var err error
+						newToks, err = oldBatch(ctx, pool, oldClaim, sorted)
+						return err
+					})
+				},
 			}
-			if _, err := pool.Exec(ctx, protoClaim, pids, ptoks, pfps); err != nil {
+			claims[round%2]()
+			claims[(round+1)%2]()
+			if _, err := pool.Exec(ctx, floorInsert, scope, ids, toks, result, fps); err != nil {
 				b.Fatal(err)
 			}
 			if pending != nil {
-				if _, err := s.CompleteBatch(ctx, pending, time.Hour); err != nil {
-					b.Fatal(err)
+				completes := []func(){
+					func() {
+						timed(2, func() error { _, err := s.CompleteBatch(ctx, pending, time.Hour); return err })
+					},
+					func() {
+						timed(3, func() error { return oldCompleteBatch(ctx, pool, oldComplete, oldPending, oldToks, result) })
+					},
 				}
-				if _, err := pool.Exec(ctx, protoComplete, pendingIDs, pendingToks, result); err != nil {
-					b.Fatal(err)
-				}
+				completes[round%2]()
+				completes[(round+1)%2]()
 			}
 			pending = make([]dedup.Completion, batch)
 			for i, c := range cs {
 				pending[i] = dedup.Completion{Claim: c, Result: result}
 			}
-			pendingIDs, pendingToks = pids, ptoks
+			oldPending, oldToks = sorted, newToks
 		}
 		if _, err := s.CompleteBatch(ctx, pending, time.Hour); err != nil {
 			b.Fatal(err)
 		}
-		if _, err := pool.Exec(ctx, protoComplete, pendingIDs, pendingToks, result); err != nil {
+		if err := oldCompleteBatch(ctx, pool, oldComplete, oldPending, oldToks, result); err != nil {
 			b.Fatal(err)
 		}
-		b.Logf("%d claims and completes in %v", rows, time.Since(start).Round(time.Second))
+		b.Logf("%d claims and completes on each layout in %v", rows, time.Since(start).Round(time.Second))
 	}
-	for _, t := range []struct{ name, table string }{{"store", s.Tables().Records}, {"proto", proto}} {
+	oldTable := pgx.Identifier{oldSchema, "dedup_records"}.Sanitize()
+	for _, t := range []struct{ name, table string }{{"compact", s.Tables().Records}, {"v5", oldTable}, {"floor", floor}} {
 		heap, index, live := tableBytes(b, pool, t.table)
-		b.Logf("%s: %d live rows, heap %d B/row, indexes %d B/row", t.name, live, heap/live, index/live)
+		b.Logf("%s: %d live rows, heap %d B/row, indexes %d B/row, total %d B/row", t.name, live, heap/live, index/live, (heap+index)/live)
 		b.ReportMetric(float64(heap+index)/float64(live), t.name+"-B/row")
 		b.ReportMetric(float64(heap)/float64(live), t.name+"-heap-B/row")
 		b.ReportMetric(float64(index)/float64(live), t.name+"-index-B/row")
 	}
+	rate := func(i int) float64 { return float64(rows) / took[i].Seconds() }
+	b.ReportMetric(rate(0), "claim-ids/s")
+	b.ReportMetric(rate(1), "v5-claim-ids/s")
+	b.ReportMetric(rate(0)/rate(1), "claim/v5")
+	b.ReportMetric(rate(2), "complete-ids/s")
+	b.ReportMetric(rate(3), "v5-complete-ids/s")
+	b.ReportMetric(rate(2)/rate(3), "complete/v5")
+}
+
+// oldCompleteBatch sends the version-5 CompleteBatch statement for the
+// sorted requests and their tokens.
+func oldCompleteBatch(ctx context.Context, pool *pgxpool.Pool, q string, reqs []dedup.ClaimRequest, toks [][]byte, result []byte) error {
+	n := len(reqs)
+	scopes, ids, results := make([]string, n), make([]string, n), make([][]byte, n)
+	for i, r := range reqs {
+		scopes[i], ids[i], results[i] = r.Key.Scope, r.Key.ID, result
+	}
+	var completed int64
+	var lost []int64
+	if err := pool.QueryRow(ctx, q, scopes, ids, toks, results, time.Hour.Microseconds()).Scan(&completed, &lost); err != nil {
+		return err
+	}
+	if completed != int64(n) {
+		return fmt.Errorf("old complete batch completed %d of %d", completed, n)
+	}
+	return nil
+}
+
+func sortReqs(r []dedup.ClaimRequest) {
+	slices.SortFunc(r, func(a, b dedup.ClaimRequest) int {
+		if c := strings.Compare(a.Key.Scope, b.Key.Scope); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Key.ID, b.Key.ID)
+	})
+}
+
+func atoi(b *testing.B, s string) int {
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return n
 }
 
 // tableBytes returns a table's heap and index sizes and its row count.

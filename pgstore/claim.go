@@ -36,7 +36,7 @@ var errNotReadCommitted = errors.New("the partitioned records table needs READ C
 // outcome turns the row a claim statement returned into a Claim (see
 // dedup.ClaimedRecord.ClaimFor). tok is nil for a key repeated in a batch, which
 // did not run the statement itself.
-func outcome(key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, r *row) (dedup.Claim, error) {
+func outcome(key dedup.Key, fp dedup.Fingerprint, fpd []byte, tok *dedup.Token, r *row) (dedup.Claim, error) {
 	if r.state != stateInProgress && r.state != stateCompleted {
 		return dedup.Claim{}, fmt.Errorf("record of key %s has unknown state %d", key, r.state)
 	}
@@ -45,7 +45,7 @@ func outcome(key dedup.Key, fp dedup.Fingerprint, tok *dedup.Token, r *row) (ded
 		own = *tok
 	}
 	rec := dedup.ClaimedRecord{Completed: r.state == stateCompleted, Token: r.token, Attempts: int(r.attempts),
-		Fingerprint: dedup.Fingerprint(r.fingerprint), Result: r.result, LeaseUntil: r.leaseUntil, ExpiresAt: r.expiresAt}
+		Fingerprint: recordFingerprint(r.fingerprint, fp, fpd), Result: r.result, LeaseUntil: r.leaseUntil, ExpiresAt: r.expiresAt}
 	return rec.ClaimFor(key, fp, own), nil
 }
 
@@ -66,18 +66,23 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := s.begin(ctx, "claim"); err != nil {
 		return dedup.Claim{}, err
 	}
+	ref, err := s.ref(ctx, key)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "claim", err, true)
+	}
 	tok := dedup.NewToken()
+	fpd := fpDigest(fp)
 	var r row
-	var err error
+	args := []any{ref.scope, ref.id, tok[:], fpd, micros(lease)}
 	if s.cfg.partition > 0 {
-		err = s.lockedRow(ctx, s.pool, s.keyLock(key), s.sql.pClaim, &r, key.Scope, key.ID, tok[:], fpBytes(fp), micros(lease))
+		err = s.lockedRow(ctx, s.pool, s.keyLock(key), key, s.sql.pClaim, &r, args...)
 	} else {
-		err = s.pool.QueryRow(ctx, s.sql.claim, key.Scope, key.ID, tok[:], fpBytes(fp), micros(lease)).Scan(r.dest()...)
+		err = s.adoptedRow(ctx, s.pool, key, s.sql.claim, &r, args...)
 	}
 	if err != nil {
 		return dedup.Claim{}, s.failAuto(ctx, "claim", err)
 	}
-	c, err := outcome(key, fp, &tok, &r)
+	c, err := outcome(key, fp, fpd, &tok, &r)
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "claim", err, false)
 	}
@@ -94,32 +99,97 @@ type batcher interface {
 // statement in one round trip and scans its row. On the pool both run in
 // one implicit transaction (the pipeline ends with a single Sync), so the
 // lock is held until the claim commits; each statement takes its own
-// snapshot, so the claim sees every commit made before the lock.
-func (s *Store) lockedRow(ctx context.Context, b batcher, lock int64, query string, r *row, args ...any) error {
+// snapshot, so the claim sees every commit made before the lock. While a
+// conversion is pending the key's old record is moved between the two.
+func (s *Store) lockedRow(ctx context.Context, b batcher, lock int64, key dedup.Key, query string, r *row, args ...any) error {
 	var batch pgx.Batch
-	s.queueLocked(&batch, lock, query, args...)
+	adopt := s.queueLocked(&batch, lock, key, query, args...)
 	br := b.SendBatch(ctx, &batch)
-	err := readLocked(br, r)
+	err := s.readLocked(br, adopt, r)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	return err
 }
 
-// queueLocked queues on batch the key's advisory lock and then the
-// partitioned claim statement query, for readLocked.
-func (s *Store) queueLocked(batch *pgx.Batch, lock int64, query string, args ...any) {
-	batch.Queue(s.sql.lock, lock)
+// adoptedRow runs a plain-table claim statement and scans its row; while
+// a conversion is pending it first moves the key's old record, in the
+// same round trip and implicit transaction.
+func (s *Store) adoptedRow(ctx context.Context, b batcher, key dedup.Key, query string, r *row, args ...any) error {
+	if s.converted.Load() {
+		var batch pgx.Batch
+		batch.Queue(query, args...)
+		br := b.SendBatch(ctx, &batch)
+		err := br.QueryRow().Scan(r.dest()...)
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	}
+	var batch pgx.Batch
+	s.queueAdopt(&batch, false, []string{key.Scope}, []string{key.ID})
 	batch.Queue(query, args...)
+	br := b.SendBatch(ctx, &batch)
+	err := s.readAdopt(br)
+	if err == nil {
+		err = br.QueryRow().Scan(r.dest()...)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// queueAdopt queues the move of the old records of the keys (sorted)
+// when a conversion may be pending, and reports whether it did.
+func (s *Store) queueAdopt(batch *pgx.Batch, partitioned bool, scopes, ids []string) bool {
+	if s.converted.Load() {
+		return false
+	}
+	q := s.sql.adopt
+	if partitioned {
+		q = s.sql.pAdopt
+	}
+	batch.Queue(q, scopes, ids)
+	return true
+}
+
+// readAdopt reads what queueAdopt queued and notes when the old tables
+// are gone.
+func (s *Store) readAdopt(br pgx.BatchResults) error {
+	var pending bool
+	if err := br.QueryRow().Scan(&pending); err != nil {
+		return err
+	}
+	if !pending {
+		s.converted.Store(true)
+	}
+	return nil
+}
+
+// queueLocked queues on batch the key's advisory lock, the move of its
+// old record while a conversion is pending (reported), and then the
+// partitioned claim statement query, for readLocked.
+func (s *Store) queueLocked(batch *pgx.Batch, lock int64, key dedup.Key, query string, args ...any) (adopt bool) {
+	batch.Queue(s.sql.lock, lock)
+	adopt = s.queueAdopt(batch, true, []string{key.Scope}, []string{key.ID})
+	batch.Queue(query, args...)
+	return adopt
 }
 
 // readLocked reads the results of what queueLocked queued, the claim's
 // row into r. The caller closes br.
-func readLocked(br pgx.BatchResults, r *row) error {
+func (s *Store) readLocked(br pgx.BatchResults, adopt bool, r *row) error {
 	if _, err := br.Exec(); err != nil {
 		return err
 	}
-	var scope, id string
+	if adopt {
+		if err := s.readAdopt(br); err != nil {
+			return err
+		}
+	}
+	var scope int32
+	var id []byte
 	dest := append([]any{&scope, &id}, r.dest()...)
 	err := br.QueryRow().Scan(dest...)
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -154,21 +224,39 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		return out, nil
 	}
 	keyOf := func(i int) dedup.Key { return reqs[i].Key }
-	first, order, seen := distinct(len(reqs), keyOf, keyOf)
+	first, order, _ := distinct(len(reqs), keyOf, keyOf)
 	n := len(order)
-	scopes, ids := make([]string, n), make([]string, n)
+	scopes, ids := make([]int32, n), make([][]byte, n)
 	tokens, fps := make([][]byte, n), make([][]byte, n)
+	fpds := make([][]byte, len(reqs)) // the fingerprint digest of each request
 	toks := make([]dedup.Token, len(reqs))
+	var textScopes, textIDs []string // for the move of old records
+	if !s.converted.Load() {
+		textScopes, textIDs = make([]string, n), make([]string, n)
+	}
+	for i := range reqs {
+		fpds[i] = fpDigest(reqs[i].Fingerprint)
+	}
 	// Every token of the batch is the batch's random prefix and then the
 	// key's position in it: unique per key (the prefix is 64 random bits
 	// per batch), and the plain statement tells the records it acquired by
 	// the prefix alone (see plainBatch).
 	prefix := dedup.NewToken()
+	byRef := make(map[string]int, n) // stored key -> first request
 	for j, i := range order {
+		k := reqs[i].Key
+		sid, err := s.scopeID(ctx, k.Scope)
+		if err != nil {
+			return nil, s.fail(ctx, "claim batch", err, true)
+		}
 		copy(toks[i][:8], prefix[:8])
 		binary.BigEndian.PutUint64(toks[i][8:], uint64(j)+1)
-		scopes[j], ids[j] = reqs[i].Key.Scope, reqs[i].Key.ID
-		tokens[j], fps[j] = toks[i][:], fpBytes(reqs[i].Fingerprint)
+		scopes[j], ids[j] = sid, encodeID(k.ID)
+		tokens[j], fps[j] = toks[i][:], fpds[i]
+		byRef[refString(sid, ids[j])] = i
+		if textScopes != nil {
+			textScopes[j], textIDs[j] = k.Scope, k.ID
+		}
 	}
 	rowsOf := make([]row, len(reqs)) // indexed like reqs; set for first requests with a row
 	hasRow := make([]bool, len(reqs))
@@ -180,7 +268,8 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	var summary row
 	summarized := false
 	scan := func(rows pgx.Rows) error {
-		var scope, id *string
+		var scope *int32
+		var id []byte
 		var r row
 		dest := append([]any{&scope, &id}, r.dest()...)
 		for rows.Next() {
@@ -195,9 +284,9 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 			if scope == nil || id == nil {
 				return errors.New("the batch returned a row without a key")
 			}
-			i, ok := seen[dedup.Key{Scope: *scope, ID: *id}]
+			i, ok := byRef[refString(*scope, id)]
 			if !ok || hasRow[i] {
-				return fmt.Errorf("the batch returned key %s/%s, which it did not send or sent once", *scope, *id)
+				return fmt.Errorf("the batch returned key %d/%x, which it did not send or sent once", *scope, id)
 			}
 			rowsOf[i], hasRow[i] = r, true
 			got++
@@ -206,16 +295,27 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	}
 	var err error
 	if s.cfg.partition > 0 {
-		err = s.partitionedBatch(ctx, order, reqs, scopes, ids, tokens, fps, micros(lease), scan)
+		err = s.partitionedBatch(ctx, order, reqs, textScopes, textIDs, scopes, ids, tokens, fps, micros(lease), scan)
 	} else {
-		var rows pgx.Rows
-		rows, err = s.pool.Query(ctx, s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease), prefix[:8])
+		var batch pgx.Batch
+		adopt := s.queueAdopt(&batch, false, textScopes, textIDs)
+		batch.Queue(s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease), prefix[:8])
+		br := s.pool.SendBatch(ctx, &batch)
+		if adopt {
+			err = s.readAdopt(br)
+		}
 		if err == nil {
-			err = scan(rows)
-			rows.Close()
-			if err == nil {
-				err = rows.Err()
+			var rows pgx.Rows
+			if rows, err = br.Query(); err == nil {
+				err = scan(rows)
+				rows.Close()
+				if err == nil {
+					err = rows.Err()
+				}
 			}
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
 		}
 	}
 	if err == nil && summarized {
@@ -228,7 +328,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 				// Its record is the one it sent (a repeat of the key in the
 				// batch reads it), and only the lease end matters while it is
 				// in progress.
-				rowsOf[i] = row{state: stateInProgress, token: toks[i][:], attempts: 1, fingerprint: fpBytes(reqs[i].Fingerprint), leaseUntil: summary.leaseUntil, expiresAt: summary.expiresAt}
+				rowsOf[i] = row{state: stateInProgress, token: toks[i][:], attempts: 1, fingerprint: fpds[i], leaseUntil: summary.leaseUntil, expiresAt: summary.expiresAt}
 				got++
 			}
 		}
@@ -252,7 +352,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		if f != i && rr.result != nil {
 			rr.result = bytes.Clone(rr.result) // each claim owns its result
 		}
-		if out[i], err = outcome(r.Key, r.Fingerprint, tok, &rr); err != nil {
+		if out[i], err = outcome(r.Key, r.Fingerprint, fpds[i], tok, &rr); err != nil {
 			return nil, s.fail(ctx, "claim batch", err, false)
 		}
 	}
@@ -287,7 +387,7 @@ func distinct[T comparable](n int, id func(i int) T, key func(i int) dedup.Key) 
 
 // partitionedBatch locks the keys of a batch (sorted, distinct lock keys)
 // and claims them, in one round trip and one implicit transaction.
-func (s *Store) partitionedBatch(ctx context.Context, order []int, reqs []dedup.ClaimRequest, scopes, ids []string, tokens, fps [][]byte, lease int64, scan func(pgx.Rows) error) error {
+func (s *Store) partitionedBatch(ctx context.Context, order []int, reqs []dedup.ClaimRequest, textScopes, textIDs []string, scopes []int32, ids, tokens, fps [][]byte, lease int64, scan func(pgx.Rows) error) error {
 	locks := make([]int64, len(order))
 	for j, i := range order {
 		locks[j] = s.keyLock(reqs[i].Key)
@@ -296,11 +396,17 @@ func (s *Store) partitionedBatch(ctx context.Context, order []int, reqs []dedup.
 	locks = slices.Compact(locks)
 	var batch pgx.Batch
 	batch.Queue(s.sql.lockMany, locks)
+	adopt := s.queueAdopt(&batch, true, textScopes, textIDs)
 	batch.Queue(s.sql.pClaimBatch, scopes, ids, tokens, fps, lease)
 	br := s.pool.SendBatch(ctx, &batch)
 	defer br.Close()
 	if _, err := br.Exec(); err != nil {
 		return err
+	}
+	if adopt {
+		if err := s.readAdopt(br); err != nil {
+			return err
+		}
 	}
 	rows, err := br.Query()
 	if err != nil {
@@ -330,7 +436,11 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	if err := s.begin(ctx, "complete"); err != nil {
 		return err
 	}
-	tag, err := s.pool.Exec(ctx, s.sql.complete, c.Key.Scope, c.Key.ID, c.Token[:], result, micros(retention))
+	ref, err := s.ref(ctx, c.Key)
+	if err != nil {
+		return s.fail(ctx, "complete", err, true)
+	}
+	tag, err := s.pool.Exec(ctx, s.sql.complete, ref.scope, ref.id, c.Token[:], result, micros(retention))
 	if err != nil {
 		return s.failAuto(ctx, "complete", err)
 	}
@@ -368,11 +478,15 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 		func(i int) item { return item{items[i].Claim.Key, items[i].Claim.Token} },
 		func(i int) dedup.Key { return items[i].Claim.Key })
 	n := len(order)
-	scopes, ids := make([]string, n), make([]string, n)
+	scopes, ids := make([]int32, n), make([][]byte, n)
 	tokens, results := make([][]byte, n), make([][]byte, n)
 	for j, i := range order {
 		c := &items[i].Claim
-		scopes[j], ids[j], tokens[j], results[j] = c.Key.Scope, c.Key.ID, c.Token[:], items[i].Result
+		sid, err := s.scopeID(ctx, c.Key.Scope)
+		if err != nil {
+			return nil, s.fail(ctx, "complete batch", err, true)
+		}
+		scopes[j], ids[j], tokens[j], results[j] = sid, encodeID(c.Key.ID), c.Token[:], items[i].Result
 	}
 	var completed int64
 	var lost []int64 // ordinals (from 1) of the distinct items whose tokens lost their records
@@ -419,7 +533,11 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := s.begin(ctx, "release"); err != nil {
 		return err
 	}
-	tag, err := s.pool.Exec(ctx, s.sql.release, c.Key.Scope, c.Key.ID, c.Token[:])
+	ref, err := s.ref(ctx, c.Key)
+	if err != nil {
+		return s.fail(ctx, "release", err, true)
+	}
+	tag, err := s.pool.Exec(ctx, s.sql.release, ref.scope, ref.id, c.Token[:])
 	if err != nil {
 		return s.failAuto(ctx, "release", err)
 	}
@@ -443,8 +561,12 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if err := s.begin(ctx, "extend"); err != nil {
 		return dedup.Claim{}, err
 	}
+	ref, err := s.ref(ctx, c.Key)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "extend", err, true)
+	}
 	var until time.Time
-	err := s.pool.QueryRow(ctx, s.sql.extend, c.Key.Scope, c.Key.ID, c.Token[:], micros(lease)).Scan(&until)
+	err = s.pool.QueryRow(ctx, s.sql.extend, ref.scope, ref.id, c.Token[:], micros(lease)).Scan(&until)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return dedup.Claim{}, dedup.ErrLeaseLost
 	}
@@ -453,4 +575,31 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	}
 	c.LeaseUntil = until
 	return c, nil
+}
+
+// adoptKey moves the key's old record into the compact table while a
+// conversion is pending, in a transaction of its own (partitioned: under
+// the key's advisory lock), for the steps that cannot do it in their own
+// round trip. It does nothing once the old tables are gone.
+func (s *Store) adoptKey(ctx context.Context, key dedup.Key) error {
+	if s.converted.Load() {
+		return nil
+	}
+	scopes, ids := []string{key.Scope}, []string{key.ID}
+	var pending bool
+	var err error
+	if s.cfg.partition == 0 {
+		err = s.pool.QueryRow(ctx, s.sql.adopt, scopes, ids).Scan(&pending)
+	} else {
+		err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, s.sql.lock, s.keyLock(key)); err != nil {
+				return err
+			}
+			return tx.QueryRow(ctx, s.sql.pAdopt, scopes, ids).Scan(&pending)
+		})
+	}
+	if err == nil && !pending {
+		s.converted.Store(true)
+	}
+	return err
 }

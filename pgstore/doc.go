@@ -132,14 +132,26 @@
 // in the binary, each migration in its own transaction with its row in
 // <prefix>schema_migrations; it is idempotent and serialised between
 // instances by an advisory lock. The store never runs DDL on a caller's
-// transaction. Tables: <prefix>records (scope, id, state, owner token,
-// fingerprint, result, lease_until, expires_at, attempts, created_at;
-// primary key (scope, id); index on expires_at), <prefix>retention (scope,
-// retention, replay_horizon), <prefix>outbox (id, message_key, aggregate,
-// topic, payload, headers, created_at, published_at) and
-// <prefix>records_p (the partitioned variant). [WithSchema] and
-// [WithTablePrefix] place them; the tests give every test a schema of its
-// own.
+// transaction. Tables: <prefix>rec, the records in a compact layout
+// (migration 0006): the scope as the integer <prefix>scopes gives it, the
+// message ID as bytes (16 for a canonical lower-case UUID; SQL function
+// <prefix>key_text turns them back into the ID), state, owner token, the
+// fingerprint as the first 16 bytes of the SHA-256 of its text (only ever
+// compared), result, attempts and one deadline (the lease end while in
+// progress, the expiry once completed); primary key (scope, id) and no
+// other index, fillfactor 90, so that a completion is a HOT update
+// (docs/benchmarks.md has the bytes per record). <prefix>rec_p is the
+// partitioned variant (with created_at, its partition key),
+// <prefix>retention (scope, retention, replay_horizon), <prefix>outbox
+// (id, message_key, aggregate, topic, payload, headers, created_at,
+// published_at). [WithSchema] and [WithTablePrefix] place them; the tests
+// give every test a schema of its own.
+//
+// A schema from before version 6 keeps its records in <prefix>records and
+// <prefix>records_p until [Store.Convert] (run by `dedup migrate`) moves
+// them in batches, online, and drops the old tables; until then every
+// claim first moves its key's old record, so old records are read and
+// deduplicated as before.
 //
 // A scope's retention window is a floor: Complete and the inbox keep a
 // record for the longer of the caller's retention and the scope's.
@@ -148,15 +160,16 @@
 //
 // Expired records are invisible to claims but stay on disk until removed.
 // The sweeper ([Store.SweepOnce], [Store.StartSweeping], `dedup sweep`)
-// deletes them in bounded batches, oldest expiry first, with one DELETE
-// that picks its rows by the expires_at index and FOR UPDATE SKIP LOCKED
-// and deletes them by ctid: it never waits for a row a claim holds, holds
-// its row locks only for its own batch, and reports how late it is (the
-// lag between expiry and deletion). Each batch of a pass resumes the index
-// scan at the latest expiry the batch before deleted, so a batch costs the
-// same at the end of a large backlog as at its start (the deleted rows'
-// index entries stay until vacuum); a row skipped because a transaction
-// held it waits for the next pass. The background job paces itself by a
+// deletes them in bounded batches with one DELETE that picks its rows
+// with FOR UPDATE SKIP LOCKED and deletes them by ctid: it never waits for
+// a row a claim holds, holds its row locks only for its own batch, and
+// reports how late it is (the lag between expiry and deletion). The
+// compact table has no expiry index (it would make every completion a
+// non-HOT update with a second index entry), so a pass walks the heap in
+// ctid order (a TID Range Scan), each batch resuming at the block where
+// the one before stopped: a pass reads the table once, whatever the
+// backlog; a row skipped because a transaction held it waits for the next
+// pass. The background job paces itself by a
 // duty cycle: after each batch it pauses as long as the batch took
 // ([SweepOptions.PauseRatio]), so it leaves half the machine to claims
 // whatever the machine, and pauses longer when load slows its batches.

@@ -1,5 +1,7 @@
 package pgstore
 
+import "context"
+
 // UseCaseInbox makes s's RunInbox claim with the CASE-per-column upsert,
 // for tests and benchmarks that compare it with the acquire-only claim.
 func UseCaseInbox(s *Store) { s.caseInbox = true }
@@ -14,10 +16,22 @@ func UseUnorderedCompleteBatch(s *Store) {
 		table = s.names.recordsP
 	}
 	s.sql.completeBatch = `UPDATE ` + table + ` r SET
-	result     = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
-	expires_at = CASE WHEN r.state = 1 THEN ` + deadline(now+` + `+retentionFor(&s.names, "u.scope", "$5")) + ` ELSE r.expires_at END,
-	state      = 2
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
+	result   = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
+	deadline = CASE WHEN r.state = 1 THEN ` + deadline(now+` + `+retentionFor(&s.names, "u.scope", "$5")) + ` ELSE r.deadline END,
+	state    = 2
+FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token
 RETURNING u.o`
 }
+
+// MigrateTo migrates s's schema up to version v only, for tests that
+// start from an older schema.
+func MigrateTo(ctx context.Context, s *Store, v int) (MigrateResult, error) { return s.migrate(ctx, v) }
+
+// EncodeID and DecodeID are encodeID and decodeID, FingerprintDigest is
+// fpDigest: tests compare them with the SQL functions of migration 0006.
+var (
+	EncodeID          = encodeID
+	DecodeID          = decodeID
+	FingerprintDigest = fpDigest
+)

@@ -77,18 +77,26 @@ func (s *Store) Inbox(ctx context.Context, tx pgx.Tx, key dedup.Key, fp dedup.Fi
 // inbox does the work of Inbox and keeps the handler's error (herr) apart
 // from the store's (serr).
 func (s *Store) inbox(ctx context.Context, tx pgx.Tx, key dedup.Key, fp dedup.Fingerprint, retention time.Duration, h InboxHandler) (c dedup.Claim, herr error, serr *dedup.StoreError) {
+	// In the caller's transaction: the pool may have no other connection
+	// to give, and a scope or a moved record must commit or roll back
+	// with the caller's record.
+	ref, err := s.txRef(ctx, func(q string, args []any, dest ...any) error { return tx.QueryRow(ctx, q, args...).Scan(dest...) }, key)
+	if err != nil {
+		return c, nil, s.fail(ctx, "inbox", err, false)
+	}
 	tok := dedup.NewToken()
+	fpd := fpDigest(fp)
 	var r row
-	var err error
+	args := []any{ref.scope, ref.id, tok[:], fpd, micros(retention)}
 	if s.cfg.partition > 0 {
-		err = s.lockedRow(ctx, tx, s.keyLock(key), s.sql.pInbox, &r, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention))
+		err = s.lockedRow(ctx, tx, s.keyLock(key), key, s.sql.pInbox, &r, args...)
 	} else {
-		err = tx.QueryRow(ctx, s.sql.inbox, key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention)).Scan(r.dest()...)
+		err = tx.QueryRow(ctx, s.sql.inbox, args...).Scan(r.dest()...)
 	}
 	if err != nil {
 		return c, nil, s.fail(ctx, "inbox", err, false)
 	}
-	if c, err = outcome(key, fp, &tok, &r); err != nil {
+	if c, err = outcome(key, fp, fpd, &tok, &r); err != nil {
 		return c, nil, s.fail(ctx, "inbox", err, false)
 	}
 	if c.Outcome != dedup.Acquired {
@@ -99,7 +107,7 @@ func (s *Store) inbox(ctx context.Context, tx pgx.Tx, key dedup.Key, fp dedup.Fi
 		return dedup.Claim{}, err, nil
 	}
 	if out != nil {
-		tag, err := tx.Exec(ctx, s.sql.inboxResult, key.Scope, key.ID, tok[:], out)
+		tag, err := tx.Exec(ctx, s.sql.inboxResult, ref.scope, ref.id, tok[:], out)
 		if err == nil && tag.RowsAffected() != 1 {
 			err = errors.New("the handler removed or changed the inbox record of key " + key.String())
 		}
@@ -125,13 +133,27 @@ func (s *Store) InboxSQL(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedu
 	if err := s.begin(ctx, "inbox"); err != nil {
 		return dedup.Claim{}, err
 	}
+	ref, err := s.txRef(ctx, func(q string, args []any, dest ...any) error {
+		return tx.QueryRowContext(ctx, q, args...).Scan(dest...)
+	}, key)
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox", err, false)
+	}
 	tok := dedup.NewToken()
+	fpd := fpDigest(fp)
 	var r row
-	var err error
-	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention)}
+	args := []any{ref.scope, ref.id, tok[:], fpd, micros(retention)}
 	if s.cfg.partition > 0 {
-		if _, err = tx.ExecContext(ctx, s.sql.lock, s.keyLock(key)); err == nil {
-			var scope, id string
+		_, err = tx.ExecContext(ctx, s.sql.lock, s.keyLock(key))
+		if err == nil && !s.converted.Load() {
+			var pending bool
+			if err = tx.QueryRowContext(ctx, s.sql.pAdopt, []string{key.Scope}, []string{key.ID}).Scan(&pending); err == nil && !pending {
+				s.converted.Store(true)
+			}
+		}
+		if err == nil {
+			var scope int32
+			var id []byte
 			err = tx.QueryRowContext(ctx, s.sql.pInbox, args...).Scan(append([]any{&scope, &id}, r.dest()...)...)
 			if errors.Is(err, sql.ErrNoRows) {
 				err = errNotReadCommitted
@@ -143,7 +165,7 @@ func (s *Store) InboxSQL(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedu
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox", err, false)
 	}
-	c, err := outcome(key, fp, &tok, &r)
+	c, err := outcome(key, fp, fpd, &tok, &r)
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox", err, false)
 	}
@@ -155,7 +177,7 @@ func (s *Store) InboxSQL(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedu
 		return dedup.Claim{}, err
 	}
 	if out != nil {
-		res, err := tx.ExecContext(ctx, s.sql.inboxResult, key.Scope, key.ID, tok[:], out)
+		res, err := tx.ExecContext(ctx, s.sql.inboxResult, ref.scope, ref.id, tok[:], out)
 		if err == nil {
 			var n int64
 			if n, err = res.RowsAffected(); err == nil && n != 1 {
@@ -212,17 +234,24 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if err := s.begin(ctx, "inbox"); err != nil {
 		return dedup.Claim{}, err
 	}
+	ref, err := s.ref(ctx, key) // before taking a connection: it may need one
+	if err != nil {
+		return dedup.Claim{}, s.fail(ctx, "inbox begin", err, true)
+	}
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox begin", err, true)
 	}
 	tok := dedup.NewToken()
+	fpd := fpDigest(fp)
 	var b pgx.Batch
 	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	args := []any{key.Scope, key.ID, tok[:], fpBytes(fp), micros(retention)}
+	args := []any{ref.scope, ref.id, tok[:], fpd, micros(retention)}
+	var adopt bool
 	if s.cfg.partition > 0 {
-		s.queueLocked(&b, s.keyLock(key), s.sql.pInbox, args...)
+		adopt = s.queueLocked(&b, s.keyLock(key), key, s.sql.pInbox, args...)
 	} else {
+		adopt = s.queueAdopt(&b, false, []string{key.Scope}, []string{key.ID})
 		b.Queue(s.inboxStmt(), args...)
 	}
 	br := conn.Conn().SendBatch(ctx, &b)
@@ -242,9 +271,16 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if err == nil {
 		op = "inbox"
 		if s.cfg.partition > 0 {
-			err = readLocked(br, &r)
-		} else if err = br.QueryRow().Scan(r.dest()...); errors.Is(err, pgx.ErrNoRows) {
-			taken, err = false, nil
+			err = s.readLocked(br, adopt, &r)
+		} else {
+			if adopt {
+				err = s.readAdopt(br)
+			}
+			if err == nil {
+				if err = br.QueryRow().Scan(r.dest()...); errors.Is(err, pgx.ErrNoRows) {
+					taken, err = false, nil
+				}
+			}
 		}
 	}
 	if cerr := br.Close(); err == nil {
@@ -254,12 +290,12 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		// A key the claim could not take: it locked the row; read it. One
 		// more round trip, for duplicates only, buys the claim of a new
 		// key a statement without a CASE per column.
-		err = tx.QueryRow(ctx, s.sql.current, key.Scope, key.ID).Scan(r.dest()...)
+		err = tx.QueryRow(ctx, s.sql.current, ref.scope, ref.id).Scan(r.dest()...)
 	}
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, op, err, true) // never committed
 	}
-	c, err := outcome(key, fp, &tok, &r)
+	c, err := outcome(key, fp, fpd, &tok, &r)
 	if err != nil {
 		return dedup.Claim{}, s.fail(ctx, "inbox", err, true)
 	}
@@ -279,7 +315,7 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 		}
 		return c, nil
 	}
-	notApplied, err := tx.commitWith(ctx, s.sql.inboxResultChecked, key.Scope, key.ID, tok[:], out)
+	notApplied, err := tx.commitWith(ctx, s.sql.inboxResultChecked, ref.scope, ref.id, tok[:], out)
 	if err != nil {
 		if isRecordCheck(err) {
 			err = fmt.Errorf("the handler removed or changed the inbox record of key %s: %w", key, err)
@@ -320,4 +356,43 @@ func validateInbox(key dedup.Key, fp dedup.Fingerprint, retention time.Duration,
 		return &dedup.ArgumentError{Arg: "retention", Reason: "must be positive, got " + retention.String()}
 	}
 	return dedup.ValidateClaim(key, fp, retention)
+}
+
+// txRef is the stored form of key for a claim in the caller's
+// transaction, read through query (a QueryRow on that transaction). A
+// scope not cached yet is looked up in the transaction; one it cannot see
+// gets its integer from the pool, committed at once (never inside the
+// caller's transaction, which would make every other claim of a new scope
+// wait for it to end, and could roll the scope's row back while this
+// process keeps its integer). On the plain table it also moves the key's
+// old record while a conversion is pending, in the caller's transaction
+// (the partitioned claim does it after the key's lock).
+func (s *Store) txRef(ctx context.Context, query func(q string, args []any, dest ...any) error, key dedup.Key) (keyRef, error) {
+	s.scopes.mu.RLock()
+	sid, ok := s.scopes.m[key.Scope]
+	s.scopes.mu.RUnlock()
+	if !ok {
+		err := query(`SELECT id FROM `+s.names.scopes+` WHERE scope = $1::text`, []any{key.Scope}, &sid)
+		switch {
+		case err == nil:
+			// Only ever inserted in autocommit: a row it sees is committed.
+			s.cacheScope(key.Scope, sid)
+		case errors.Is(err, pgx.ErrNoRows) || errors.Is(err, sql.ErrNoRows):
+			if sid, err = s.scopeID(ctx, key.Scope); err != nil {
+				return keyRef{}, err
+			}
+		default:
+			return keyRef{}, err
+		}
+	}
+	if s.cfg.partition == 0 && !s.converted.Load() {
+		var pending bool
+		if err := query(s.sql.adopt, []any{[]string{key.Scope}, []string{key.ID}}, &pending); err != nil {
+			return keyRef{}, err
+		}
+		if !pending {
+			s.converted.Store(true)
+		}
+	}
+	return keyRef{scope: sid, id: encodeID(key.ID)}, nil
 }

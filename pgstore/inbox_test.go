@@ -172,8 +172,8 @@ func TestPlainInsertAbortsTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, `INSERT INTO `+s.Tables().Records+` (scope, id, state, token, lease_until, expires_at, attempts)
-VALUES ($1, 'm1', 2, '\x00', now(), now(), 1)`, key("m1").Scope)
+	_, err = tx.Exec(ctx, `INSERT INTO `+s.Tables().Records+` (scope, id, state, token, deadline, attempts)
+VALUES (`+fn(s, "scope_id")+`($1), 'm1', 2, '\x00', now(), 1)`, key("m1").Scope)
 	var pe *pgconn.PgError
 	if !errors.As(err, &pe) || pe.Code != "23505" {
 		t.Fatalf("plain INSERT of a taken key: %v, want a unique violation", err)

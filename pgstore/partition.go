@@ -19,13 +19,13 @@ const partitionNameLayout = "20060102t15"
 
 // partitionName returns the bare name of the partition starting at start.
 func (s *Store) partitionName(start time.Time) string {
-	return s.names.prefix + "records_p_" + start.UTC().Format(partitionNameLayout)
+	return s.names.prefix + "rec_p_" + start.UTC().Format(partitionNameLayout)
 }
 
 // partitionStart parses a partition's bare name back to the start of its
 // range; ok is false for a table that is not one of ours.
 func (s *Store) partitionStart(name string) (time.Time, bool) {
-	ts, ok := strings.CutPrefix(name, s.names.prefix+"records_p_")
+	ts, ok := strings.CutPrefix(name, s.names.prefix+"rec_p_")
 	if !ok {
 		return time.Time{}, false
 	}
@@ -91,7 +91,7 @@ func (s *Store) ensurePartitions(ctx context.Context, conn *pgx.Conn) ([]string,
 		from, to := start.Format(time.RFC3339), start.Add(s.cfg.partition).Format(time.RFC3339)
 		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, `SET LOCAL lock_timeout = `+sqlLiteral(itoa(int(s.cfg.lockTimeout.Milliseconds()))+"ms")+`;
-CREATE TABLE IF NOT EXISTS `+q+` (LIKE `+s.names.recordsP+` INCLUDING DEFAULTS INCLUDING CONSTRAINTS);
+CREATE TABLE IF NOT EXISTS `+q+` (LIKE `+s.names.recordsP+` INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH (fillfactor = `+itoa(recordsFillfactor)+`);
 ALTER TABLE `+s.names.recordsP+` ATTACH PARTITION `+q+` FOR VALUES FROM (`+sqlLiteral(from)+`) TO (`+sqlLiteral(to)+`)`)
 			return err
 		})
@@ -174,7 +174,7 @@ func (s *Store) DropExpiredPartitions(ctx context.Context) ([]string, error) {
 		}
 		q := s.names.qualify(p.Name[len(s.names.prefix):])
 		ok, err := s.dropPartition(ctx, "records", s.names.recordsP, q, p.Name,
-			`SELECT NOT EXISTS (SELECT 1 FROM `+q+` WHERE expires_at > statement_timestamp())`)
+			`SELECT NOT EXISTS (SELECT 1 FROM `+q+` WHERE NOT `+expired(micros(s.cfg.grace))+`)`)
 		switch {
 		case err != nil:
 			errs = append(errs, err)

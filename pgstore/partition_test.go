@@ -30,7 +30,7 @@ func pastPartition(t testing.TB, s *pgstore.Store, ago int) string {
 		t.Fatal(err)
 	}
 	start := now.UTC().Truncate(time.Hour).Add(-time.Duration(ago) * time.Hour)
-	name := "dedup_records_p_" + start.Format("20060102t15")
+	name := "dedup_rec_p_" + start.Format("20060102t15")
 	q := s.Tables().Schema + `."` + name + `"`
 	_, err := s.Pool().Exec(context.Background(), `CREATE TABLE `+q+` PARTITION OF `+s.Tables().RecordsPartitioned+
 		` FOR VALUES FROM ('`+start.Format(time.RFC3339)+`') TO ('`+start.Add(time.Hour).Format(time.RFC3339)+`')`)
@@ -45,8 +45,8 @@ func pastPartition(t testing.TB, s *pgstore.Store, ago int) string {
 func seedPartition(t testing.TB, s *pgstore.Store, ago int, prefix string, n int, expiry time.Duration) {
 	t.Helper()
 	_, err := s.Pool().Exec(context.Background(), `INSERT INTO `+s.Tables().RecordsPartitioned+`
-	(scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)
-SELECT $1, $2 || g, 2, '\x0102'::bytea, 'sha256:aaaa'::bytea, 'old-result'::bytea, statement_timestamp(),
+	(scope, id, state, token, fingerprint, result, deadline, attempts, created_at)
+SELECT `+fn(s, "scope_id")+`($1), `+fn(s, "key_id")+`($2 || g), 2, '\x0102'::bytea, substr(sha256('sha256:aaaa'::bytea), 1, 16), 'old-result'::bytea,
 	statement_timestamp() + $3::int8 * interval '1 microsecond', 1,
 	date_trunc('hour', statement_timestamp()) - $4::int * interval '1 hour' + interval '1 minute'
 FROM generate_series(0, $5::int - 1) g`, key("").Scope, prefix, expiry.Microseconds(), ago, n)
@@ -120,7 +120,7 @@ func TestPartitionDrop(t *testing.T) {
 	mustClaim(t, s, "keep-0", fpA, time.Minute, dedup.Duplicate)
 
 	// Once its last record expires, the partition goes too.
-	if _, err := s.Pool().Exec(ctx, `UPDATE `+s.Tables().RecordsPartitioned+` SET expires_at = statement_timestamp() - interval '1 second' WHERE id = 'keep-0'`); err != nil {
+	if _, err := s.Pool().Exec(ctx, `UPDATE `+s.Tables().RecordsPartitioned+` SET deadline = statement_timestamp() - interval '1 second' WHERE id = 'keep-0'`); err != nil {
 		t.Fatal(err)
 	}
 	r, err := s.Maintain(ctx, 1000, 0, 0)

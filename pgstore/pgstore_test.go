@@ -122,8 +122,18 @@ func queryInt(t testing.TB, q interface {
 // countRecords counts the rows of key id in s's records table.
 func countRecords(t testing.TB, s *pgstore.Store, id string) int {
 	t.Helper()
-	return queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE scope = $1 AND id = $2`, key(id).Scope, id)
+	return queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE `+keyIs(s, "$1", "$2"), key(id).Scope, id)
 }
+
+// keyIs is the SQL condition that a record of s's tables has the key of
+// scope and id (SQL expressions of type text): the tables store the scope
+// as an integer and the ID as bytes.
+func keyIs(s *pgstore.Store, scope, id string) string {
+	return `scope = (SELECT id FROM ` + s.Tables().Scopes + ` WHERE scope = ` + scope + `) AND id = ` + fn(s, "key_id") + `(` + id + `)`
+}
+
+// fn returns the qualified name of one of s's SQL functions.
+func fn(s *pgstore.Store, name string) string { return s.Tables().Schema + `."dedup_` + name + `"` }
 
 // TestConformance runs the store contract's suite against both layouts,
 // each in a schema of its own shared by the suite's parallel tests (each

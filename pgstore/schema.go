@@ -57,7 +57,7 @@ var migrations = func() []migration {
 
 // SchemaVersion is the schema version this package needs: the number of
 // its last migration.
-const SchemaVersion = 5
+const SchemaVersion = 6
 
 func init() {
 	if len(migrations) != SchemaVersion {
@@ -70,8 +70,11 @@ type names struct {
 	schema     string // quoted schema
 	schemaName string // bare schema name
 	prefix     string
-	records    string // the plain records table
-	recordsP   string // the partitioned parent
+	records    string // the plain records table (compact, migration 0006)
+	recordsP   string // the partitioned parent (compact)
+	scopes     string // scope -> integer
+	legacy     string // the records table of migrations 0001-0005, until converted
+	legacyP    string // its partitioned parent
 	retention  string
 	outbox     string
 	migrations string
@@ -83,8 +86,11 @@ func newNames(schema, prefix string) names {
 		schema:     pgx.Identifier{schema}.Sanitize(),
 		schemaName: schema,
 		prefix:     prefix,
-		records:    t("records"),
-		recordsP:   t("records_p"),
+		records:    t("rec"),
+		recordsP:   t("rec_p"),
+		scopes:     t("scopes"),
+		legacy:     t("records"),
+		legacyP:    t("records_p"),
 		retention:  t("retention"),
 		outbox:     t("outbox"),
 		migrations: t("schema_migrations"),
@@ -138,6 +144,11 @@ type MigrateResult struct {
 // applied earlier differs from the one embedded in this binary (someone
 // edited it), rather than guess.
 func (s *Store) Migrate(ctx context.Context) (MigrateResult, error) {
+	return s.migrate(ctx, SchemaVersion)
+}
+
+// migrate is Migrate up to version upTo (tests build old schemas with it).
+func (s *Store) migrate(ctx context.Context, upTo int) (MigrateResult, error) {
 	var res MigrateResult
 	if err := s.begin(ctx, "migrate"); err != nil {
 		return res, err
@@ -175,6 +186,9 @@ CREATE TABLE IF NOT EXISTS ` + s.names.migrations + ` (
 		return res, s.fail(ctx, "migrate", err, false)
 	}
 	for _, m := range migrations {
+		if m.version > upTo {
+			break
+		}
 		if sum, ok := applied[m.version]; ok {
 			if sum != m.checksum {
 				return res, s.fail(ctx, "migrate", fmt.Errorf("migration %04d_%s was applied with checksum %s but this binary has %s: the migration was edited after it was applied; restore it or fix the schema by hand", m.version, m.name, sum, m.checksum), true)
@@ -193,11 +207,11 @@ CREATE TABLE IF NOT EXISTS ` + s.names.migrations + ` (
 		}
 		res.Applied = append(res.Applied, fmt.Sprintf("%04d_%s", m.version, m.name))
 	}
-	res.Version = SchemaVersion
+	res.Version = upTo
 	for v := range applied {
 		res.Version = max(res.Version, v)
 	}
-	if s.cfg.partition > 0 {
+	if s.cfg.partition > 0 && upTo == SchemaVersion {
 		created, err := s.ensurePartitions(ctx, conn.Conn())
 		res.PartitionsCreated = created
 		if err != nil {

@@ -41,13 +41,21 @@ func TestMigrateIdempotent(t *testing.T) {
 	if err != nil || st.Version != pgstore.SchemaVersion {
 		t.Fatalf("Check = %+v, %v", st, err)
 	}
-	for _, table := range []string{"app_records", "app_records_p", "app_retention", "app_outbox", "app_schema_migrations"} {
+	for _, table := range []string{"app_rec", "app_rec_p", "app_scopes", "app_retention", "app_outbox", "app_schema_migrations"} {
 		if n := queryInt(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, schema, table); n != 1 {
 			t.Errorf("table %s.%s missing", schema, table)
 		}
 	}
-	if n := queryInt(t, pool, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'app_records_expires_at'`, schema); n != 1 {
-		t.Error("the expires_at index is missing")
+	// The empty tables of migrations 0001-0005 are gone, and the compact
+	// table has no index but its primary key (a completion is a HOT
+	// update).
+	for _, table := range []string{"app_records", "app_records_p"} {
+		if n := queryInt(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, schema, table); n != 0 {
+			t.Errorf("empty old table %s.%s still there", schema, table)
+		}
+	}
+	if n := queryInt(t, pool, `SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'app_rec'`, schema); n != 1 {
+		t.Errorf("app_rec has %d indexes, want only its primary key", n)
 	}
 	// The store works on the prefixed tables.
 	c, err := s.Claim(ctx, key("m1"), fpA, time.Minute)

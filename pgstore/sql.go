@@ -39,10 +39,9 @@ type statements struct {
 	inboxResultChecked string
 	sweep              string
 	outbox             string
+	// adopt and pAdopt move old records while a conversion is pending.
+	adopt, pAdopt string
 }
-
-// The columns every claim returns, in the order scanRow reads them.
-const returning = `state, token, attempts, fingerprint, result, lease_until, expires_at`
 
 // now is the statement's time on the server: fixed for the whole
 // statement, so every CASE of one upsert agrees, and never the client's.
@@ -62,42 +61,35 @@ var maxTimestamp = sqlLiteral(dedup.MaxTime.Truncate(time.Microsecond).Format("2
 func usec(x string) string { return `(` + x + ` * interval '1 microsecond')` }
 
 // acquirable is the condition under which a claim may take the record r
-// for a request with fingerprint fp: completed and expired (any
-// fingerprint), or in progress under an expired lease with a matching
-// fingerprint (either empty, or equal). It reads r as it was before the
-// statement changed it.
+// for a request with fingerprint fp (a digest, see fpDigest): past its
+// deadline, and completed (any fingerprint) or in progress with a
+// matching fingerprint (either empty, or equal). For an in-progress record
+// the deadline is its lease end, for a completed one its expiry. It reads
+// r as it was before the statement changed it.
 func acquirable(r, fp string) string {
-	return `((` + r + `.state = 2 AND ` + r + `.expires_at <= ` + now + `) OR (` + r + `.state = 1 AND ` + r + `.lease_until <= ` + now +
-		` AND (` + r + `.fingerprint = ''::bytea OR ` + fp + ` = ''::bytea OR ` + r + `.fingerprint = ` + fp + `)))`
+	return `(` + r + `.deadline <= ` + now + ` AND (` + r + `.state = 2 OR ` + r + `.fingerprint = ''::bytea OR ` + fp + ` = ''::bytea OR ` + r + `.fingerprint = ` + fp + `))`
 }
 
-// retentionFor is the retention of a completion in scope: what the caller
-// asked for (param, microseconds), raised to the scope's window if it has
-// a longer one.
+// retentionFor is the retention of a completion in scope (its integer):
+// what the caller asked for (param, microseconds), raised to the scope's
+// window if it has a longer one.
 func retentionFor(n *names, scope, param string) string {
-	return `GREATEST(` + usec(param+`::int8`) + `, COALESCE((SELECT w.retention FROM ` + n.retention + ` w WHERE w.scope = ` + scope + `), interval '0'))`
+	return `GREATEST(` + usec(param+`::int8`) + `, COALESCE((SELECT w.retention FROM ` + n.retention + ` w JOIN ` + n.scopes + ` s ON s.scope = w.scope WHERE s.id = ` + scope + `), interval '0'))`
 }
 
 // kind says which record a claim statement inserts.
 type kind struct {
-	state      string // "1" lease mode, "2" inbox (completed at once)
-	leaseUntil string
-	expiresAt  string
-	result     string // "NULL" but for Apply's record
+	state    string // "1" lease mode, "2" inbox (completed at once)
+	deadline string // the lease end, or the expiry of an inbox record
+	result   string // "NULL" but for Apply's record
 }
 
-func leaseKind(leaseParam string, grace int64) kind {
-	g := strconv.FormatInt(grace, 10)
-	return kind{
-		state:      "1",
-		leaseUntil: deadline(now + ` + ` + usec(leaseParam+`::int8`)),
-		expiresAt:  deadline(now + ` + ` + usec(`(`+leaseParam+`::int8 + `+g+`)`)),
-		result:     "NULL",
-	}
+func leaseKind(leaseParam string) kind {
+	return kind{state: "1", deadline: deadline(now + ` + ` + usec(leaseParam+`::int8`)), result: "NULL"}
 }
 
 func inboxKind(n *names, scope, retentionParam string) kind {
-	return kind{state: "2", leaseUntil: now, expiresAt: deadline(now + ` + ` + retentionFor(n, scope, retentionParam)), result: "NULL"}
+	return kind{state: "2", deadline: deadline(now + ` + ` + retentionFor(n, scope, retentionParam)), result: "NULL"}
 }
 
 // applyKind is inboxKind with the result ($6) stored at once.
@@ -120,17 +112,25 @@ func upsertSet() string {
 	token       = CASE WHEN ` + acq + ` THEN excluded.token ELSE r.token END,
 	fingerprint = CASE WHEN ` + acq + ` AND (r.state = 2 OR r.fingerprint = ''::bytea) THEN excluded.fingerprint ELSE r.fingerprint END,
 	result      = CASE WHEN ` + acq + ` THEN excluded.result ELSE r.result END,
-	lease_until = CASE WHEN ` + acq + ` THEN excluded.lease_until ELSE r.lease_until END,
-	expires_at  = CASE WHEN ` + acq + ` THEN excluded.expires_at ELSE r.expires_at END,
-	attempts    = CASE WHEN ` + acq + ` THEN CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END ELSE r.attempts END,
-	created_at  = CASE WHEN ` + acq + ` AND r.state = 2 THEN excluded.created_at ELSE r.created_at END`
+	deadline    = CASE WHEN ` + acq + ` THEN excluded.deadline ELSE r.deadline END,
+	attempts    = CASE WHEN ` + acq + ` THEN CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END ELSE r.attempts END`
 }
 
-const columns = `(scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)`
+const columns = `(scope, id, state, token, fingerprint, result, deadline, attempts)`
 
-// values is the row of columns that a one-key claim of kind k inserts.
+// The columns every claim returns, in the order scanRow reads them: the
+// one deadline is both the lease end and the expiry (the state says
+// which one the caller reads).
+const returning = `state, token, attempts, fingerprint, result, deadline AS lease_until, deadline AS expires_at`
+
+// rReturning is returning for the row alias r.
+const rReturning = `r.state, r.token, r.attempts, r.fingerprint, r.result, r.deadline AS lease_until, r.deadline AS expires_at`
+
+// values is the row of columns that a one-key claim of kind k inserts:
+// $1 scope (its integer), $2 id (encodeID), $3 token, $4 fingerprint
+// digest.
 func values(k kind) string {
-	return `($1::text, $2::text, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `)`
+	return `($1::int4, $2::bytea, ` + k.state + `, $3::bytea, $4::bytea, ` + k.result + `, ` + k.deadline + `, 1)`
 }
 
 // plainUpsert is the one statement of a claim or inbox step on the plain
@@ -140,7 +140,7 @@ func plainUpsert(n *names, k kind) string {
 	return `INSERT INTO ` + n.records + ` AS r ` + columns + `
 VALUES ` + values(k) + `
 ` + upsertSet() + `
-RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`
+RETURNING ` + rReturning
 }
 
 // plainAcquire is plainUpsert that updates a conflicting row only when it
@@ -149,7 +149,7 @@ RETURNING r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, 
 // UPDATE locks the conflicting row whatever its WHERE says) but not
 // returned: read it with the current statement in the same transaction.
 func plainAcquire(n *names, k kind) string {
-	return plainAcquireReturning(n, k, `r.state, r.token, r.attempts, r.fingerprint, r.result, r.lease_until, r.expires_at`)
+	return plainAcquireReturning(n, k, rReturning)
 }
 
 // plainAcquireReturning is plainAcquire returning the columns ret.
@@ -161,10 +161,8 @@ ON CONFLICT (scope, id) DO UPDATE SET
 	token       = excluded.token,
 	fingerprint = CASE WHEN r.state = 2 OR r.fingerprint = ''::bytea THEN excluded.fingerprint ELSE r.fingerprint END,
 	result      = excluded.result,
-	lease_until = excluded.lease_until,
-	expires_at  = excluded.expires_at,
-	attempts    = CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END,
-	created_at  = CASE WHEN r.state = 2 THEN excluded.created_at ELSE r.created_at END
+	deadline    = excluded.deadline,
+	attempts    = CASE WHEN r.state = 1 THEN r.attempts + 1 ELSE 1 END
 WHERE ` + acquirable("r", "excluded.fingerprint") + `
 RETURNING ` + ret
 }
@@ -187,19 +185,19 @@ RETURNING ` + ret
 // not copied into the CTE's store (a NULL stands for each).
 func plainBatch(n *names, k kind) string {
 	easy := `(substr(r.token, 1, 8) = $6::bytea AND r.attempts = 1)`
-	// The deadlines are the same for every row: uncorrelated subqueries,
+	// The deadline is the same for every row: an uncorrelated subquery,
 	// which the server evaluates once per statement.
-	k.leaseUntil, k.expiresAt = `(SELECT `+k.leaseUntil+`)`, `(SELECT `+k.expiresAt+`)`
+	k.deadline = `(SELECT ` + k.deadline + `)`
 	return `WITH ins AS (
 	INSERT INTO ` + n.records + ` AS r ` + columns + `
-	SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, ` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `, 1, ` + now + `
-	FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
+	SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, ` + k.result + `, ` + k.deadline + `, 1
+	FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
 	` + upsertSet() + `
 	RETURNING ` + easy + ` AS easy, CASE WHEN ` + easy + ` THEN NULL ELSE r END AS rec)
-SELECT (rec).scope, (rec).id, (rec).state, (rec).token, (rec).attempts, (rec).fingerprint, (rec).result, (rec).lease_until, (rec).expires_at
+SELECT (rec).scope, (rec).id, (rec).state, (rec).token, (rec).attempts, (rec).fingerprint, (rec).result, (rec).deadline, (rec).deadline
 FROM ins WHERE NOT easy
 UNION ALL
-SELECT NULL, NULL, 0::int2, NULL, count(*)::int4, NULL, NULL, ` + k.leaseUntil + `, ` + k.leaseUntil + ` FROM ins`
+SELECT NULL, NULL, 0::int2, NULL, count(*)::int4, NULL, NULL, ` + k.deadline + `, ` + k.deadline + ` FROM ins`
 }
 
 // partitionedUpsert is the claim on the partitioned table, for the keys of
@@ -222,7 +220,7 @@ SELECT NULL, NULL, 0::int2, NULL, count(*)::int4, NULL, NULL, ` + k.leaseUntil +
 // reports it.
 func partitionedUpsert(n *names, k kind, source string) string {
 	return partitionedClaim(n, k, source) + `
-SELECT scope, id, ` + returning + ` FROM ins
+SELECT scope, id, state, token, attempts, fingerprint, result, lease_until, expires_at FROM ins
 UNION ALL
 SELECT scope, id, ` + returning + ` FROM cur WHERE NOT acq`
 }
@@ -235,7 +233,7 @@ func partitionedClaim(n *names, k kind, source string) string {
 	return `WITH u AS (` + source + `
 	WHERE current_setting('transaction_isolation') = 'read committed'),
 cur AS (
-	SELECT r.scope, r.id, r.created_at, r.state, r.token, r.fingerprint, r.result, r.lease_until, r.expires_at, r.attempts,
+	SELECT r.scope, r.id, r.created_at, r.state, r.token, r.fingerprint, r.result, r.deadline, r.attempts,
 		` + acq + ` AS acq
 	FROM u CROSS JOIN LATERAL (
 		SELECT * FROM ` + n.recordsP + ` x WHERE x.scope = u.scope AND x.id = u.id FOR UPDATE) r),
@@ -243,10 +241,10 @@ del AS (
 	DELETE FROM ` + n.recordsP + ` d USING cur
 	WHERE cur.acq AND d.scope = cur.scope AND d.id = cur.id AND d.created_at = cur.created_at),
 ins AS (
-	INSERT INTO ` + n.recordsP + ` ` + columns + `
+	INSERT INTO ` + n.recordsP + ` (scope, id, state, token, fingerprint, result, deadline, attempts, created_at)
 	SELECT u.scope, u.id, ` + k.state + `, u.token,
 		CASE WHEN c.state = 1 AND c.fingerprint <> ''::bytea THEN c.fingerprint ELSE u.fp END,
-		` + k.result + `, ` + k.leaseUntil + `, ` + k.expiresAt + `,
+		` + k.result + `, ` + k.deadline + `,
 		CASE WHEN c.state = 1 THEN c.attempts + 1 ELSE 1 END,
 		` + now + `
 	FROM u LEFT JOIN cur c ON c.scope = u.scope AND c.id = u.id
@@ -268,10 +266,23 @@ FROM ` + c
 
 const (
 	// scalarSource is u for one key: $1 scope, $2 id, $3 token, $4 fp.
-	scalarSource = `SELECT $1::text AS scope, $2::text AS id, $3::bytea AS token, $4::bytea AS fp`
+	scalarSource = `SELECT $1::int4 AS scope, $2::bytea AS id, $3::bytea AS token, $4::bytea AS fp`
 	// arraySource is u for a batch of distinct keys.
-	arraySource = `SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)`
+	arraySource = `SELECT * FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)`
 )
+
+// recordsFillfactor is the fillfactor of the records tables (migration
+// 0006) and of every partition: the room an insert leaves on its page for
+// the completion's new version of the row (a HOT update). Chosen by
+// measurement; see docs/benchmarks.md.
+const recordsFillfactor = 90
+
+// expired is the condition under which the sweeper may delete a record:
+// completed and past its expiry, or in progress and past its lease end
+// plus the grace (micros).
+func expired(grace int64) string {
+	return `((state = 2 AND deadline <= ` + now + `) OR (state = 1 AND deadline <= ` + now + ` - ` + usec(strconv.FormatInt(grace, 10)) + `))`
+}
 
 func buildStatements(n *names, cfg *config) statements {
 	grace := micros(cfg.grace)
@@ -280,33 +291,37 @@ func buildStatements(n *names, cfg *config) statements {
 		table = n.recordsP
 	}
 	st := statements{
-		claim:     plainUpsert(n, leaseKind("$5", grace)),
-		inbox:     plainUpsert(n, inboxKind(n, "$1::text", "$5")),
-		inboxFast: plainAcquire(n, inboxKind(n, "$1::text", "$5")),
+		claim:     plainUpsert(n, leaseKind("$5")),
+		inbox:     plainUpsert(n, inboxKind(n, "$1::int4", "$5")),
+		inboxFast: plainAcquire(n, inboxKind(n, "$1::int4", "$5")),
 		applyNew: `INSERT INTO ` + n.records + ` AS r ` + columns + `
-VALUES ` + values(applyKind(n, "$1::text")) + `
+VALUES ` + values(applyKind(n, "$1::int4")) + `
 ON CONFLICT (scope, id) DO UPDATE SET attempts = (` + sqlLiteral(applyTaken+": ") + ` || r.state)::int
-RETURNING r.attempts, r.lease_until, r.expires_at`,
-		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::text"), `r.attempts, r.lease_until, r.expires_at`) + `)` + applyCheck("c"),
-		applyCurrent: `SELECT ` + returning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::text AND r.id = $2::text`,
+RETURNING r.attempts, r.deadline, r.deadline`,
+		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::int4"), `r.attempts, r.deadline AS lease_until, r.deadline AS expires_at`) + `)` + applyCheck("c"),
+		applyCurrent: `SELECT ` + rReturning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::int4 AND r.id = $2::bytea`,
 		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins"),
-		current:      `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::text AND id = $2::text`,
-		claimBatch:   plainBatch(n, leaseKind("$5", grace)),
-		pClaim:       partitionedUpsert(n, leaseKind("$5", grace), scalarSource),
+		current:      `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::int4 AND id = $2::bytea`,
+		claimBatch:   plainBatch(n, leaseKind("$5")),
+		pClaim:       partitionedUpsert(n, leaseKind("$5"), scalarSource),
 		pInbox:       partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
-		pClaimBatch:  partitionedUpsert(n, leaseKind("$5", grace), arraySource),
+		pClaimBatch:  partitionedUpsert(n, leaseKind("$5"), arraySource),
 		lock:         `SELECT pg_advisory_xact_lock($1::int8)`,
 		// The keys come sorted and distinct, so that two batches lock
 		// their common keys in the same order and cannot deadlock.
 		lockMany: `SELECT count(pg_advisory_xact_lock(k)) FROM unnest($1::int8[]) WITH ORDINALITY AS t(k, o)`,
+		// adopt moves the old records of the keys ($1 scopes, $2 ids, in
+		// key order) while a conversion is pending; see migration 0006.
+		adopt:  `SELECT ` + n.qualify("adopt") + `($1::text[], $2::text[])`,
+		pAdopt: `SELECT ` + n.qualify("adopt_p") + `($1::text[], $2::text[])`,
 		// Complete: fenced by the token. A second Complete with the same
 		// token matches the row and changes nothing, because the CASEs
 		// only write while it is in progress.
 		complete: `UPDATE ` + table + ` SET
-	result     = CASE WHEN state = 1 THEN $4::bytea ELSE result END,
-	expires_at = CASE WHEN state = 1 THEN ` + deadline(now+` + `+retentionFor(n, "$1::text", "$5")) + ` ELSE expires_at END,
-	state      = 2
-WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
+	result   = CASE WHEN state = 1 THEN $4::bytea ELSE result END,
+	deadline = CASE WHEN state = 1 THEN ` + deadline(now+` + `+retentionFor(n, "$1::int4", "$5")) + ` ELSE deadline END,
+	state    = 2
+WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea`,
 		// CompleteBatch: complete for each (scope, id, token, result) of
 		// four parallel arrays; returns one row: how many items' tokens own
 		// their records, and the ordinals of the items whose do not (empty
@@ -326,28 +341,27 @@ WHERE scope = $1::text AND id = $2::text AND token = $3::bytea`,
 		// re-checks the WHERE clause on it), as before. The scopes'
 		// retention windows are joined once, not looked up per item.
 		completeBatch: `WITH l AS MATERIALIZED (
-	SELECT count(*) AS n FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(scope, id, token)
+	SELECT count(*) AS n FROM unnest($1::int4[], $2::bytea[], $3::bytea[]) AS u(scope, id, token)
 	CROSS JOIN LATERAL (
 		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x),
 d AS (
 	UPDATE ` + table + ` r SET
-	result     = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
-	expires_at = CASE WHEN r.state = 1 THEN ` + deadline(now+` + GREATEST(`+usec("$5::int8")+`, COALESCE(u.keep, interval '0'))`) + ` ELSE r.expires_at END,
-	state      = 2
+	result   = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
+	deadline = CASE WHEN r.state = 1 THEN ` + deadline(now+` + GREATEST(`+usec("$5::int8")+`, COALESCE(u.keep, interval '0'))`) + ` ELSE r.deadline END,
+	state    = 2
 	FROM (SELECT u.*, w.retention AS keep
-		FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
-		LEFT JOIN ` + n.retention + ` w ON w.scope = u.scope) u
+		FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
+		LEFT JOIN (` + n.scopes + ` s JOIN ` + n.retention + ` w ON w.scope = s.scope) ON s.id = u.scope) u
 	WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
 	RETURNING u.o)
-SELECT (SELECT count(*) FROM d), ARRAY(SELECT generate_series(1, cardinality($1::text[]))::int8 EXCEPT ALL SELECT o FROM d)`,
-		release: `DELETE FROM ` + table + ` WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1`,
-		extend: `UPDATE ` + table + ` SET lease_until = ` + deadline(now+` + `+usec("$4::int8")) + `,
-	expires_at = ` + deadline(now+` + `+usec("($4::int8 + "+strconv.FormatInt(grace, 10)+")")) + `
-WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 1
-RETURNING lease_until`,
-		inboxResult: `UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 2`,
+SELECT (SELECT count(*) FROM d), ARRAY(SELECT generate_series(1, cardinality($1::int4[]))::int8 EXCEPT ALL SELECT o FROM d)`,
+		release: `DELETE FROM ` + table + ` WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1`,
+		extend: `UPDATE ` + table + ` SET deadline = ` + deadline(now+` + `+usec("$4::int8")) + `
+WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1
+RETURNING deadline`,
+		inboxResult: `UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 2`,
 		inboxResultChecked: `WITH u AS (
-	UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::text AND id = $2::text AND token = $3::bytea AND state = 2
+	UPDATE ` + table + ` SET result = $4::bytea WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 2
 	RETURNING 1)
 SELECT CASE count(*) WHEN 1 THEN 1 ELSE (` + sqlLiteral(recordCheck+": ") + ` || count(*) || ' rows')::int END FROM u`,
 		outbox: `INSERT INTO ` + n.outbox + ` (message_key, aggregate, topic, payload, headers)
@@ -356,27 +370,31 @@ VALUES ($1::text, $2::text, $3::text, $4::bytea, $5::text::jsonb)`,
 	// Sweep: one bounded statement that skips rows other transactions hold
 	// (a claim about to take one over), so it never waits on a lock and
 	// never makes a claim wait long. It reports how many rows it deleted
-	// and how late (the lag between each row's expiry and its deletion),
-	// and the latest expiry it deleted: the next batch of a pass starts its
-	// index scan there ($2), instead of stepping again over the index
-	// entries of every row the pass has deleted (they stay until vacuum).
-	from := `expires_at >= COALESCE($2::timestamptz, '-infinity') AND expires_at <= ` + now
-	var pick, match string
+	// and how late (the lag between each row's expiry and its deletion).
+	// The plain table has no expiry index (a completion would then not be
+	// a HOT update): a pass walks the heap from a block ($2), in ctid
+	// order (a TID Range Scan), and the next batch starts at the last
+	// block this one deleted from, so a pass reads the table once. The
+	// partitioned table's expired rows are mostly dropped with their
+	// partitions; its sweep scans the partitions for what is left.
+	exp := expired(grace)
+	lag := `(` + now + ` - deadline - CASE WHEN state = 1 THEN ` + usec(strconv.FormatInt(grace, 10)) + ` ELSE interval '0' END)`
+	var match, block string
 	if cfg.partition > 0 {
 		// ctid is not unique across partitions: match by primary key.
-		pick = `SELECT scope, id, created_at FROM ` + table + ` WHERE ` + from + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
-		match = `(scope, id, created_at) IN (` + pick + `)`
+		match = `(scope, id, created_at) IN (SELECT scope, id, created_at FROM ` + table + ` WHERE ` + exp + ` LIMIT $1 FOR UPDATE SKIP LOCKED)`
+		block = `NULL::int8`
 	} else {
-		pick = `SELECT ctid FROM ` + table + ` WHERE ` + from + ` ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED`
-		match = `ctid = ANY (ARRAY(` + pick + `))`
+		match = `ctid = ANY (ARRAY(SELECT ctid FROM ` + table + ` WHERE ctid >= ('(' || $2::int8 || ',0)')::tid AND ` + exp + ` LIMIT $1 FOR UPDATE SKIP LOCKED))`
+		block = `max((ctid::text::point)[0])::int8`
 	}
 	st.sweep = `WITH d AS (
-	DELETE FROM ` + table + ` WHERE ` + match + ` AND expires_at <= ` + now + `
-	RETURNING expires_at)
+	DELETE FROM ` + table + ` WHERE ` + match + ` AND ` + exp + `
+	RETURNING ctid, ` + lag + ` AS lag)
 SELECT count(*)::int8,
-	COALESCE((EXTRACT(EPOCH FROM ` + now + ` - min(expires_at)) * 1000000)::int8, 0),
-	COALESCE((EXTRACT(EPOCH FROM avg(` + now + ` - expires_at)) * 1000000)::int8, 0),
-	max(expires_at)
+	COALESCE((EXTRACT(EPOCH FROM max(lag)) * 1000000)::int8, 0),
+	COALESCE((EXTRACT(EPOCH FROM avg(lag)) * 1000000)::int8, 0),
+	` + block + `
 FROM d`
 	return st
 }

@@ -47,6 +47,12 @@ type Store struct {
 
 	mu   sync.Mutex
 	jobs map[*SweepJob]struct{}
+
+	scopes scopeCache
+	// converted is set once a claim learned that the old records tables
+	// of migrations 0001-0005 are gone (Convert dropped them): claims
+	// then stop moving old records first.
+	converted atomic.Bool
 }
 
 var (
@@ -157,12 +163,14 @@ func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 type Tables struct {
 	Schema                                                     string
 	Records, RecordsPartitioned, Retention, Outbox, Migrations string
+	// Scopes maps each scope to the integer the records store.
+	Scopes string
 }
 
 // Tables returns the names of the store's tables.
 func (s *Store) Tables() Tables {
 	return Tables{Schema: s.names.schema, Records: s.names.records, RecordsPartitioned: s.names.recordsP, Retention: s.names.retention,
-		Outbox: s.names.outbox, Migrations: s.names.migrations}
+		Outbox: s.names.outbox, Migrations: s.names.migrations, Scopes: s.names.scopes}
 }
 
 // Partitioned reports whether the store uses the time-partitioned records

@@ -72,10 +72,10 @@ func (s *Store) SweepOnce(ctx context.Context, limit int) (SweepResult, error) {
 	return r, err
 }
 
-// sweepOnce is SweepOnce for rows that expired at from or later (nil: any),
-// and returns the latest expiry it deleted (nil if none), where the next
-// batch of a pass starts.
-func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time, clock sweepClock) (SweepResult, *time.Time, error) {
+// sweepOnce is SweepOnce for the plain table's rows from heap block from
+// on (nil: all), and returns the last block it deleted from (nil if none
+// or partitioned), where the next batch of a pass starts.
+func (s *Store) sweepOnce(ctx context.Context, limit int, from *int64, clock sweepClock) (SweepResult, *int64, error) {
 	var r SweepResult
 	if limit <= 0 {
 		return r, nil, &dedup.ArgumentError{Arg: "sweep limit", Reason: "must be positive"}
@@ -85,8 +85,16 @@ func (s *Store) sweepOnce(ctx context.Context, limit int, from *time.Time, clock
 	}
 	start := clock.Now()
 	var n, maxLag, meanLag int64
-	var last *time.Time
-	if err := s.pool.QueryRow(ctx, s.sql.sweep, limit, from).Scan(&n, &maxLag, &meanLag, &last); err != nil {
+	var last *int64
+	args := []any{limit}
+	if s.cfg.partition == 0 {
+		var block int64
+		if from != nil {
+			block = *from
+		}
+		args = append(args, block)
+	}
+	if err := s.pool.QueryRow(ctx, s.sql.sweep, args...).Scan(&n, &maxLag, &meanLag, &last); err != nil {
 		return r, nil, s.failAuto(ctx, "sweep", err)
 	}
 	r.Deleted, r.Batches = int(n), 1
@@ -156,7 +164,7 @@ func (s *Store) sweepUntilEmpty(ctx context.Context, limit, maxBatches int, pace
 	defer func() { total.Elapsed = clock.Now().Sub(start) }()
 	// Each batch starts where the last one ended; rows it skipped because
 	// a transaction held them are left for the next pass.
-	var from *time.Time
+	var from *int64
 	for maxBatches <= 0 || total.Batches < maxBatches {
 		r, last, err := s.sweepOnce(ctx, limit, from, clock)
 		if err != nil {

@@ -23,10 +23,14 @@ import (
 // they are in production.
 func seed(t testing.TB, s *pgstore.Store, prefix string, n int, age time.Duration) {
 	t.Helper()
+	cols, created := "", ""
+	if s.Partitioned() {
+		cols, created = ", created_at", ", statement_timestamp()"
+	}
 	_, err := s.Pool().Exec(context.Background(), `INSERT INTO `+records(s)+`
-	(scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)
-SELECT $1, $2 || g, 2, '\x0102'::bytea, ''::bytea, NULL, statement_timestamp(),
-	statement_timestamp() - ($3::int8 + g) * interval '1 microsecond', 1, statement_timestamp()
+	(scope, id, state, token, fingerprint, result, deadline, attempts`+cols+`)
+SELECT `+fn(s, "scope_id")+`($1), `+fn(s, "key_id")+`($2 || g), 2, '\x0102'::bytea, ''::bytea, NULL,
+	statement_timestamp() - ($3::int8 + g) * interval '1 microsecond', 1`+created+`
 FROM generate_series(0, $4::int - 1) g`, key("").Scope, prefix, age.Microseconds(), n)
 	if err != nil {
 		t.Fatalf("seed: %v", err)
@@ -35,7 +39,7 @@ FROM generate_series(0, $4::int - 1) g`, key("").Scope, prefix, age.Microseconds
 
 func countPrefix(t testing.TB, s *pgstore.Store, prefix string) int {
 	t.Helper()
-	return queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE id LIKE $1 || '%'`, prefix)
+	return queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE `+fn(s, "key_text")+`(id) LIKE $1 || '%'`, prefix)
 }
 
 // The sweeper deletes expired records in bounded batches, oldest expiry
@@ -372,8 +376,8 @@ func TestRetentionWindowIsAFloor(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, id := range []string{"m1", "m2"} {
-			n := queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE scope = $1 AND id = $2
-AND expires_at - statement_timestamp() BETWEEN interval '119 minutes' AND interval '121 minutes'`, key("").Scope, id)
+			n := queryInt(t, s.Pool(), `SELECT count(*) FROM `+records(s)+` WHERE `+keyIs(s, "$1", "$2")+`
+AND deadline - statement_timestamp() BETWEEN interval '119 minutes' AND interval '121 minutes'`, key("").Scope, id)
 			if n != 1 {
 				t.Fatalf("record %s does not expire in 2h (the scope's window) but in the caller's 1ms", id)
 			}

@@ -146,14 +146,25 @@ func commandContext(timeout time.Duration) (context.Context, func()) {
 const migrateAbout = `Usage: dedup migrate [flags]
 
 Creates or upgrades the schema of the PostgreSQL store (pgstore): the
-records table and its expires_at index, the per-scope retention window
-table, the outbox table and the time-partitioned records table, each
+compact records table, its time-partitioned variant and the scopes table,
+the per-scope retention window table and the outbox tables, each
 migration in its own transaction, recorded in <prefix>schema_migrations.
 Running it again does nothing; instances that migrate at the same time
 are serialised by an advisory lock. With --partitions it also creates the
-partitions for the coming --ahead. Then it checks the retention windows
-and warns about every scope whose retention is shorter than its replay
-horizon.
+partitions for the coming --ahead.
+
+A schema from before version 6 keeps its records in the old tables
+(<prefix>records, <prefix>records_p): migrate then converts them online,
+moving them into the compact tables in batches of --convert-batch while
+the store is in use (claims move the keys they touch first, so every old
+record stays deduplicated), printing its progress, and drops the old
+tables once empty. Upgrade every instance before running it: an older
+version would still write the old tables. A large table may need a
+longer --timeout; an interrupted conversion carries on where it stopped
+when migrate runs again.
+
+Then it checks the retention windows and warns about every scope whose
+retention is shorter than its replay horizon.
 
 Exit status: 0 on success (warnings included), 1 on failure, 2 on bad
 usage.
@@ -168,7 +179,14 @@ type migrateReport struct {
 	Applied           []string `json:"applied"`
 	Version           int      `json:"version"`
 	PartitionsCreated []string `json:"partitions_created"`
-	Warnings          []string `json:"warnings"`
+	// Converted counts the old records moved to the compact tables,
+	// Expired those dropped because they had expired; ConvertPending says
+	// an old table is still there (run migrate again).
+	Converted      int64    `json:"converted"`
+	Expired        int64    `json:"expired_dropped"`
+	DroppedTables  []string `json:"dropped_tables"`
+	ConvertPending bool     `json:"convert_pending"`
+	Warnings       []string `json:"warnings"`
 }
 
 func runMigrate(args []string, stdout, stderr io.Writer) int {
@@ -176,6 +194,7 @@ func runMigrate(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("dedup migrate", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	f.register(fs, time.Minute)
+	batch := fs.Int("convert-batch", 5000, "old records moved per statement when converting a schema from before version 6")
 	err := parseCommand(fs, args, migrateAbout, stdout)
 	if err == nil {
 		err = f.check()
@@ -203,13 +222,30 @@ func runMigrate(args []string, stdout, stderr io.Writer) int {
 		}
 		return exitFail
 	}
+	if *batch <= 0 {
+		fmt.Fprintf(stderr, "dedup migrate: --convert-batch must be positive, got %d\n", *batch)
+		return exitUsage
+	}
+	var last time.Time
+	conv, err := s.Convert(ctx, pgstore.ConvertOptions{BatchSize: *batch, OnProgress: func(p pgstore.ConvertProgress) {
+		if f.json || time.Since(last) < time.Second {
+			return
+		}
+		last = time.Now()
+		fmt.Fprintf(stdout, "dedup migrate: converting %s%s: %d of about %d old records\n", f.prefix, p.Table, p.Done, p.Estimate)
+	}})
+	if err != nil {
+		fmt.Fprintf(stderr, "dedup migrate: converting the old records (%d moved so far; run migrate again to carry on): %v\n", conv.Moved+conv.Expired, err)
+		return exitFail
+	}
 	st, err := s.Check(ctx)
 	if err != nil {
 		fmt.Fprintf(stderr, "dedup migrate: check after migrating: %v\n", err)
 		return exitFail
 	}
 	rep := migrateReport{Schema: f.schema, Prefix: f.prefix, Applied: nonNil(res.Applied), Version: st.Version,
-		PartitionsCreated: nonNil(res.PartitionsCreated), Warnings: []string{}}
+		PartitionsCreated: nonNil(res.PartitionsCreated), Converted: conv.Moved, Expired: conv.Expired,
+		DroppedTables: nonNil(conv.Dropped), ConvertPending: conv.Pending, Warnings: []string{}}
 	for _, w := range st.Warnings {
 		rep.Warnings = append(rep.Warnings, w.String())
 	}
@@ -224,6 +260,13 @@ func runMigrate(args []string, stdout, stderr io.Writer) int {
 	}
 	if len(res.PartitionsCreated) > 0 {
 		fmt.Fprintf(stdout, "  partitions created: %s\n", strings.Join(res.PartitionsCreated, ", "))
+	}
+	if len(conv.Dropped) > 0 {
+		fmt.Fprintf(stdout, "  converted %d old records to the compact tables (%d expired ones dropped); old tables dropped: %s\n",
+			conv.Moved, conv.Expired, strings.Join(conv.Dropped, ", "))
+	}
+	if conv.Pending {
+		fmt.Fprintf(stdout, "warning: an old records table is still there (busy, or rows locked); run migrate again to finish the conversion\n")
 	}
 	for _, w := range rep.Warnings {
 		fmt.Fprintf(stdout, "warning: %s\n", w)

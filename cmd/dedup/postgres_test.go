@@ -50,10 +50,10 @@ func TestMigrateAndSweep(t *testing.T) {
 
 	// 250 records that expired a minute ago, 5 live ones, and a retention
 	// window shorter than its replay horizon.
-	if _, err := conn.Exec(ctx, `INSERT INTO `+schema+`.dedup_records (scope, id, state, token, lease_until, expires_at, attempts)
-SELECT 's', 'old-' || g, 2, '\x01', now(), now() - interval '1 minute', 1 FROM generate_series(1, 250) g;
-INSERT INTO `+schema+`.dedup_records (scope, id, state, token, lease_until, expires_at, attempts)
-SELECT 's', 'live-' || g, 2, '\x01', now(), now() + interval '1 hour', 1 FROM generate_series(1, 5) g;
+	if _, err := conn.Exec(ctx, `INSERT INTO `+schema+`.dedup_rec (scope, id, state, token, deadline, attempts)
+SELECT `+schema+`.dedup_scope_id('s'), convert_to('old-' || g, 'UTF8'), 2, '\x01', now() - interval '1 minute', 1 FROM generate_series(1, 250) g;
+INSERT INTO `+schema+`.dedup_rec (scope, id, state, token, deadline, attempts)
+SELECT `+schema+`.dedup_scope_id('s'), convert_to('live-' || g, 'UTF8'), 2, '\x01', now() + interval '1 hour', 1 FROM generate_series(1, 5) g;
 INSERT INTO `+schema+`.dedup_retention (scope, retention, replay_horizon) VALUES ('payments', '1 hour', '1 day')`); err != nil {
 		t.Fatal(err)
 	}
@@ -79,7 +79,7 @@ INSERT INTO `+schema+`.dedup_retention (scope, retention, replay_horizon) VALUES
 		t.Fatalf("sweep --until-empty --json = %+v; want the 150 left in 2 batches", rep)
 	}
 	var left int
-	if err := conn.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.dedup_records`).Scan(&left); err != nil || left != 5 {
+	if err := conn.QueryRow(ctx, `SELECT count(*) FROM `+schema+`.dedup_rec`).Scan(&left); err != nil || left != 5 {
 		t.Fatalf("%d records left, want the 5 live ones (%v)", left, err)
 	}
 }
