@@ -287,3 +287,62 @@ func tableBytes(b *testing.B, pool *pgxpool.Pool, table string) (heap, index, ro
 	}
 	return heap, index, rows
 }
+
+// BenchmarkClaimVsV5 compares one Store.Claim of a new key on the compact
+// layout with the version-5 claim statement (sent as version 5 sent it:
+// the scope and ID as text, the fingerprint's text) on a schema migrated
+// to version 5, alternating the two on every op from one goroutine, each
+// timed alone, and reports both rates and their ratio.
+//
+//	go test -run '^$' -bench ClaimVsV5 -benchtime 5000x -count 5 ./pgstore/
+func BenchmarkClaimVsV5(b *testing.B) {
+	s, _ := benchStore(b)
+	pool := s.Pool()
+	ctx := context.Background()
+	_, _, _, oldClaim := oldStore(b, pool)
+	g := newIDs()
+	var took [2]time.Duration
+	round := 0
+	step := func() {
+		id, oldID := g.next(), g.next()
+		cases := []func() error{
+			func() error {
+				c, err := s.Claim(ctx, dedup.Key{Scope: benchScope, ID: id}, fpA, 30*time.Second)
+				if err == nil && c.Outcome != dedup.Acquired {
+					err = fmt.Errorf("claim %v", c.Outcome)
+				}
+				return err
+			},
+			func() error {
+				tok := dedup.NewToken()
+				var state int16
+				var t, fp, res []byte
+				var attempts int32
+				var lease, exp time.Time
+				return pool.QueryRow(ctx, oldClaim, benchScope, oldID, tok[:], []byte(fpA), (30*time.Second).Microseconds()).
+					Scan(&state, &t, &attempts, &fp, &res, &lease, &exp)
+			},
+		}
+		for k := range cases {
+			i := (k + round) % 2
+			start := time.Now()
+			err := cases[i]()
+			took[i] += time.Since(start)
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+		round++
+	}
+	for range 20 {
+		step()
+	}
+	took, round = [2]time.Duration{}, 0
+	for b.Loop() {
+		step()
+	}
+	rate := func(i int) float64 { return float64(round) / took[i].Seconds() }
+	b.ReportMetric(rate(0), "claims/s")
+	b.ReportMetric(rate(1), "v5-claims/s")
+	b.ReportMetric(rate(0)/rate(1), "claim/v5")
+}

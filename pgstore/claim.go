@@ -242,10 +242,10 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	// per batch), and the plain statement tells the records it acquired by
 	// the prefix alone (see plainBatch).
 	prefix := dedup.NewToken()
-	byRef := make(map[string]int, n) // stored key -> first request
+	var sc lastScope
 	for j, i := range order {
 		k := reqs[i].Key
-		sid, err := s.scopeID(ctx, k.Scope)
+		sid, err := sc.id(ctx, s, k.Scope)
 		if err != nil {
 			return nil, s.fail(ctx, "claim batch", err, true)
 		}
@@ -253,7 +253,6 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		binary.BigEndian.PutUint64(toks[i][8:], uint64(j)+1)
 		scopes[j], ids[j] = sid, encodeID(k.ID)
 		tokens[j], fps[j] = toks[i][:], fpds[i]
-		byRef[refString(sid, ids[j])] = i
 		if textScopes != nil {
 			textScopes[j], textIDs[j] = k.Scope, k.ID
 		}
@@ -267,6 +266,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	// one returns a row for every key.
 	var summary row
 	summarized := false
+	var byRef map[string]int // stored key -> first request
 	scan := func(rows pgx.Rows) error {
 		var scope *int32
 		var id []byte
@@ -283,6 +283,14 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 			}
 			if scope == nil || id == nil {
 				return errors.New("the batch returned a row without a key")
+			}
+			if byRef == nil {
+				// Built on the first row that needs it: a batch of new keys
+				// returns none.
+				byRef = make(map[string]int, n)
+				for j, i := range order {
+					byRef[refString(scopes[j], ids[j])] = i
+				}
 			}
 			i, ok := byRef[refString(*scope, id)]
 			if !ok || hasRow[i] {
@@ -480,9 +488,10 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	n := len(order)
 	scopes, ids := make([]int32, n), make([][]byte, n)
 	tokens, results := make([][]byte, n), make([][]byte, n)
+	var sc lastScope
 	for j, i := range order {
 		c := &items[i].Claim
-		sid, err := s.scopeID(ctx, c.Key.Scope)
+		sid, err := sc.id(ctx, s, c.Key.Scope)
 		if err != nil {
 			return nil, s.fail(ctx, "complete batch", err, true)
 		}

@@ -130,7 +130,7 @@ func (s *Store) convertPlain(ctx context.Context, res *ConvertResult, opts Conve
 ins AS (
 	INSERT INTO ` + s.names.records + ` (deadline, scope, attempts, state, token, id, fingerprint, result)
 	SELECT CASE WHEN d.state = 2 THEN d.expires_at ELSE d.lease_until END, ` + s.names.qualify("scope_id") + `(d.scope), d.attempts, d.state, d.token,
-		` + s.names.qualify("key_id") + `(d.id), CASE WHEN d.fingerprint = ''::bytea THEN ''::bytea ELSE substr(sha256(d.fingerprint), 1, 16) END, d.result
+		` + s.names.qualify("key_id") + `(d.id), ` + s.names.qualify("fp_digest") + `(d.fingerprint), d.result
 	FROM d WHERE d.expires_at > ` + now + `
 	ON CONFLICT (scope, id) DO NOTHING
 	RETURNING 1)

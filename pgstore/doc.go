@@ -139,8 +139,9 @@
 // fingerprint as the first 16 bytes of the SHA-256 of its text (only ever
 // compared), result, attempts and one deadline (the lease end while in
 // progress, the expiry once completed); primary key (scope, id) and no
-// other index, fillfactor 90, so that a completion is a HOT update
-// (docs/benchmarks.md has the bytes per record). <prefix>rec_p is the
+// other index, so that a completion can be a HOT update, and full pages
+// (fillfactor 100, measured smallest; docs/benchmarks.md has the bytes per
+// record). <prefix>rec_p is the
 // partitioned variant (with created_at, its partition key),
 // <prefix>retention (scope, retention, replay_horizon), <prefix>outbox
 // (id, message_key, aggregate, topic, payload, headers, created_at,

@@ -91,15 +91,43 @@ func formatUUID(b []byte) string {
 }
 
 // fpDigest returns the stored form of a fingerprint: empty for the empty
-// fingerprint ("not checked"), else the first 16 bytes of the SHA-256 of
-// its text. The store only compares fingerprints for equality, and two
-// different fingerprints share a digest with probability 2^-128.
+// fingerprint ("not checked"); for one made by dedup.FingerprintOf
+// ("sha256:" and 64 lower-case hex digits) the first 16 bytes of the
+// digest it spells; for any other, the first 16 bytes of the SHA-256 of
+// its text. The store only compares fingerprints for equality: two
+// different fingerprints share a stored form only by a 128-bit collision
+// of SHA-256 (the same bound as truncating any 256-bit digest), and the
+// common case costs a hex decode instead of a hash.
 func fpDigest(fp dedup.Fingerprint) []byte {
 	if fp == "" {
 		return []byte{}
 	}
+	if d, ok := sha256Prefix(string(fp)); ok {
+		return d
+	}
 	sum := sha256.Sum256([]byte(fp))
 	return sum[:16]
+}
+
+// sha256Prefix decodes the first 16 bytes of a "sha256:" fingerprint of
+// 64 lower-case hex digits.
+func sha256Prefix(fp string) ([]byte, bool) {
+	const tag = "sha256:"
+	if len(fp) != len(tag)+64 || fp[:len(tag)] != tag {
+		return nil, false
+	}
+	for i := len(tag); i < len(fp); i++ {
+		if _, ok := fromHex(fp[i]); !ok {
+			return nil, false
+		}
+	}
+	d := make([]byte, 16)
+	for i := range d {
+		hi, _ := fromHex(fp[len(tag)+2*i])
+		lo, _ := fromHex(fp[len(tag)+2*i+1])
+		d[i] = hi<<4 | lo
+	}
+	return d, true
 }
 
 // recordFingerprint returns the fingerprint a record with stored digest d
@@ -171,4 +199,24 @@ func refString(scope int32, id []byte) string {
 	var b [4]byte
 	binary.BigEndian.PutUint32(b[:], uint32(scope))
 	return string(b[:]) + string(id)
+}
+
+// lastScope remembers the last scope a batch looked up: the keys of a
+// batch come sorted by scope, and usually share one.
+type lastScope struct {
+	name string
+	sid  int32
+	ok   bool
+}
+
+func (l *lastScope) id(ctx context.Context, s *Store, scope string) (int32, error) {
+	if l.ok && l.name == scope {
+		return l.sid, nil
+	}
+	sid, err := s.scopeID(ctx, scope)
+	if err != nil {
+		return 0, err
+	}
+	l.name, l.sid, l.ok = scope, sid, true
+	return sid, nil
 }

@@ -46,7 +46,7 @@ func seedPartition(t testing.TB, s *pgstore.Store, ago int, prefix string, n int
 	t.Helper()
 	_, err := s.Pool().Exec(context.Background(), `INSERT INTO `+s.Tables().RecordsPartitioned+`
 	(scope, id, state, token, fingerprint, result, deadline, attempts, created_at)
-SELECT `+fn(s, "scope_id")+`($1), `+fn(s, "key_id")+`($2 || g), 2, '\x0102'::bytea, substr(sha256('sha256:aaaa'::bytea), 1, 16), 'old-result'::bytea,
+SELECT `+fn(s, "scope_id")+`($1), `+fn(s, "key_id")+`($2 || g), 2, '\x0102'::bytea, `+fn(s, "fp_digest")+`('sha256:aaaa'::bytea), 'old-result'::bytea,
 	statement_timestamp() + $3::int8 * interval '1 microsecond', 1,
 	date_trunc('hour', statement_timestamp()) - $4::int * interval '1 hour' + interval '1 minute'
 FROM generate_series(0, $5::int - 1) g`, key("").Scope, prefix, expiry.Microseconds(), ago, n)

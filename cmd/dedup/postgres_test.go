@@ -95,7 +95,7 @@ func TestMigrateAndSweepPartitions(t *testing.T) {
 	if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
 		t.Fatalf("migrate --json: %v\n%s", err, stdout)
 	}
-	if len(rep.Applied) == 0 || len(rep.PartitionsCreated) != 3 || !strings.HasPrefix(rep.PartitionsCreated[0], "p_records_p_") || rep.Prefix != "p_" {
+	if len(rep.Applied) == 0 || len(rep.PartitionsCreated) != 3 || !strings.HasPrefix(rep.PartitionsCreated[0], "p_rec_p_") || rep.Prefix != "p_" {
 		t.Fatalf("migrate --partitions 24h --ahead 48h = %+v; want 3 daily partitions", rep)
 	}
 	code, stdout, stderr = runArgs(t, "sweep", "--addr", url, "--schema", schema, "--prefix", "p_")
@@ -103,7 +103,7 @@ func TestMigrateAndSweepPartitions(t *testing.T) {
 		t.Fatalf("sweep without --partitions on a partitioned schema: exit %d, stdout %q, stderr %q; want a hint", code, stdout, stderr)
 	}
 	code, stdout, stderr = runArgs(t, "sweep", "--addr", url, "--schema", schema, "--prefix", "p_", "--partitions", "24h", "--ahead", "72h")
-	if code != exitOK || !strings.Contains(stdout, "partitions dropped: none") || !strings.Contains(stdout, "partitions created: p_records_p_") {
+	if code != exitOK || !strings.Contains(stdout, "partitions dropped: none") || !strings.Contains(stdout, "partitions created: p_rec_p_") {
 		t.Fatalf("sweep --partitions: exit %d, stdout %q, stderr %q", code, stdout, stderr)
 	}
 }

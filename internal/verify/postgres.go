@@ -101,7 +101,7 @@ type pgTarget struct {
 
 // Path names where the tables are, for the summary of a kept run.
 func (t *pgTarget) Path() string {
-	where := "PostgreSQL schema " + t.schema + " (dedup tables dedup_records, dedup_retention, dedup_outbox"
+	where := "PostgreSQL schema " + t.schema + " (dedup tables dedup_rec, dedup_scopes, dedup_retention, dedup_outbox"
 	if t.ledger != "" {
 		where += "; ledger table ledger"
 	}

@@ -36,7 +36,7 @@ func schemaExists(t *testing.T, path string) (string, bool) {
 	}
 	defer conn.Close(context.Background())
 	var n int
-	if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename IN ('ledger', 'dedup_records')`, schema).Scan(&n); err != nil {
+	if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename IN ('ledger', 'dedup_rec')`, schema).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	if n == 1 || n > 2 {

@@ -6,9 +6,11 @@
 -- deadline column: the lease end while in progress, the expiry once
 -- completed (an in-progress record may be swept once its deadline plus
 -- the store's grace has passed). The plain table has no index but its
--- primary key, so that a completion, which changes no indexed column, is
--- a HOT update kept on its page; the sweeper walks the heap in ctid
--- ranges instead of an expiry index.
+-- primary key, so that a completion, which changes no indexed column, can
+-- be a HOT update when its page has room, and pages are filled (the
+-- fillfactor that measured smallest after a million claims and
+-- completions); the sweeper walks the heap in ctid ranges instead of an
+-- expiry index.
 --
 -- The old tables stay until Store.Convert (`dedup migrate`) has moved
 -- their rows in batches and dropped them; meanwhile every claim moves its
@@ -57,6 +59,18 @@ CREATE FUNCTION {{t:key_text}}(id bytea) RETURNS text LANGUAGE sql STABLE STRICT
         ELSE convert_from(id, 'UTF8')
     END
 $$;
+-- fp_digest is a fingerprint as the records store it: empty for none;
+-- for one of dedup.FingerprintOf's ("sha256:" and 64 lower-case hex
+-- digits) the first 16 bytes of the digest it spells; for any other the
+-- first 16 bytes of the SHA-256 of its text.
+CREATE FUNCTION {{t:fp_digest}}(fp bytea) RETURNS bytea LANGUAGE sql IMMUTABLE STRICT AS $$
+    SELECT CASE
+        WHEN fp = ''::bytea THEN ''::bytea
+        WHEN length(fp) = 71 AND substr(fp, 1, 7) = 'sha256:'::bytea AND encode(substr(fp, 8), 'escape') ~ '^[0-9a-f]{64}$'
+            THEN decode(encode(substr(fp, 8, 32), 'escape'), 'hex')
+        ELSE substr(sha256(fp), 1, 16)
+    END
+$$;
 CREATE TABLE {{t:rec}} (
     deadline    timestamptz NOT NULL,
     scope       integer     NOT NULL,
@@ -67,7 +81,7 @@ CREATE TABLE {{t:rec}} (
     fingerprint bytea       NOT NULL DEFAULT ''::bytea,
     result      bytea,
     PRIMARY KEY (scope, id)
-) WITH (fillfactor = 90);
+) WITH (fillfactor = 100);
 -- The partitioned variant keeps the time of the latest acquisition, its
 -- partition key. Its partitions are created by EnsurePartitions.
 CREATE TABLE {{t:rec_p}} (
@@ -95,7 +109,7 @@ BEGIN
         WITH d AS (DELETE FROM {{t:records}} WHERE scope = s[k] AND id = i[k] RETURNING *)
         INSERT INTO {{t:rec}} (deadline, scope, attempts, state, token, id, fingerprint, result)
         SELECT CASE WHEN d.state = 2 THEN d.expires_at ELSE d.lease_until END, {{t:scope_id}}(d.scope), d.attempts, d.state, d.token,
-            {{t:key_id}}(d.id), CASE WHEN d.fingerprint = ''::bytea THEN ''::bytea ELSE substr(sha256(d.fingerprint), 1, 16) END, d.result
+            {{t:key_id}}(d.id), {{t:fp_digest}}(d.fingerprint), d.result
         FROM d WHERE d.expires_at > statement_timestamp()
         ON CONFLICT (scope, id) DO NOTHING;
     END LOOP;
@@ -115,7 +129,7 @@ BEGIN
         WITH d AS (DELETE FROM {{t:records_p}} WHERE scope = s[k] AND id = i[k] RETURNING *)
         INSERT INTO {{t:rec_p}} (deadline, scope, attempts, state, token, id, fingerprint, result)
         SELECT CASE WHEN d.state = 2 THEN d.expires_at ELSE d.lease_until END, {{t:scope_id}}(d.scope), d.attempts, d.state, d.token,
-            {{t:key_id}}(d.id), CASE WHEN d.fingerprint = ''::bytea THEN ''::bytea ELSE substr(sha256(d.fingerprint), 1, 16) END, d.result
+            {{t:key_id}}(d.id), {{t:fp_digest}}(d.fingerprint), d.result
         FROM d WHERE d.expires_at > statement_timestamp();
     END LOOP;
     RETURN true;
