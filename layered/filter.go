@@ -250,9 +250,15 @@ func (w *writer) poke() {
 // cost. It starts open (a process that just started, or took over
 // partitions, sees the redeliveries that the filter is for); after a
 // period of lookups it closes if they did not pay, and then looks up one
-// window miss in probeEvery, and opens again once those pay. A closed
-// gate costs nothing on the durable path: the durable store decides every
-// key either way.
+// window miss in probe (probeEvery at first), and opens again once those
+// pay. Each closed period whose probes did not pay doubles probe, up to
+// maxProbeEvery, so a window that catches every duplicate ends up paying
+// a lookup on one new message in 1024 instead of one in 32 (measured in
+// docs/benchmarks.md); a durable duplicate (the window missed a
+// duplicate: the case the filter is for, a restart or a rebalance) sets
+// it back to probeEvery, so the filter is found useful again within
+// closedPeriod × probeEvery misses. A closed gate costs nothing on the
+// durable path: the durable store decides every key either way.
 type gate struct {
 	mu       sync.Mutex
 	closed   bool
@@ -262,12 +268,15 @@ type gate struct {
 	lookupNs int64
 	durNs    int64 // durable steps' time and count, over the last periods
 	durN     int64
+	probe    int64 // window misses per probe while closed; 0 means probeEvery
 }
 
 const (
 	openPeriod   = 32 // lookups between decisions while open
 	closedPeriod = 8  // probe lookups between decisions while closed
-	probeEvery   = 32 // window misses per probe while closed
+	probeEvery   = 32 // window misses per probe while closed, at first
+	// maxProbeEvery bounds the backoff of the probes.
+	maxProbeEvery = 1024
 )
 
 // want reports whether to look this window miss up.
@@ -278,7 +287,15 @@ func (g *gate) want() bool {
 		return true
 	}
 	g.misses++
-	return g.misses%probeEvery == 0
+	return g.misses%max(g.probe, probeEvery) == 0
+}
+
+// durableDuplicate records a durable duplicate on a window miss: while
+// closed, probe again at the first rate.
+func (g *gate) durableDuplicate() {
+	g.mu.Lock()
+	g.probe = probeEvery
+	g.mu.Unlock()
 }
 
 // looked records one lookup and decides at the end of a period.
@@ -299,7 +316,14 @@ func (g *gate) looked(hit bool, d time.Duration) {
 	}
 	// Saved: hits × the mean durable step; spent: every lookup's time.
 	saved := float64(g.hits) * float64(g.durNs) / float64(g.durN)
+	wasClosed := g.closed
 	g.closed = saved <= float64(g.lookupNs)
+	switch {
+	case !g.closed:
+		g.probe = probeEvery
+	case wasClosed:
+		g.probe = min(max(g.probe, probeEvery)*2, maxProbeEvery)
+	}
 	g.lookups, g.hits, g.lookupNs = 0, 0, 0
 	if g.durN > 1024 { // keep the durable mean recent
 		g.durNs, g.durN = g.durNs/2, g.durN/2

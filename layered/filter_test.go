@@ -293,6 +293,51 @@ func TestFilterLookupsPayForThemselves(t *testing.T) {
 	t.Logf("first pass %+v; after the restart %+v", st, st2)
 }
 
+// TestFilterProbesBackOff: while the window catches every duplicate, the
+// closed gate's probes find nothing, and each closed period doubles the
+// misses per probe (32, 64, ... up to 1024), so a long stream of new
+// messages pays far fewer lookups than one in 32; a restart's durable
+// duplicates put the probes back at one in 32, which reopens the lookups
+// quickly.
+func TestFilterProbesBackOff(t *testing.T) {
+	l := newLedger(t)
+	f := newMemFilter()
+	w := win(t)
+	lay := newLayered(t, layered.WithWindow(w), layered.WithFilter(f, "filter"))
+	ctx := context.Background()
+	deliver := func(id string) {
+		t.Helper()
+		c, err := l.deliver(ctx, lay, id)
+		if err != nil || (c.Outcome != dedup.Acquired && c.Outcome != dedup.Duplicate) {
+			t.Fatalf("delivery of %s: %v %v", id, c.Outcome, err)
+		}
+	}
+	const n = 5000
+	for i := range n {
+		deliver(fmt.Sprint("m", i))
+		deliver(fmt.Sprint("m", i))
+	}
+	st := lay.Stats()
+	// Open: 32 lookups; closed: 8 probes a period at 32, 64, 128, 256
+	// misses apart (3,840 misses), then about 2 at 512: about 66. At a
+	// fixed one in 32 it would be 32 + 4,968/32 = 187.
+	if !st.LookupsPaused || st.Lookups > 80 || st.Lookups < 40 {
+		t.Fatalf("%d lookups for %d window misses (stats %+v): want about 66, the probes backing off", st.Lookups, n, st)
+	}
+	if err := lay.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	w.Reset()
+	const m = 1000
+	for i := range m {
+		deliver(fmt.Sprint("m", i))
+	}
+	st2 := lay.Stats()
+	if st2.LookupsPaused || st2.Fast < m/2 {
+		t.Fatalf("after a restart: %+v; want lookups open again within a few hundred redeliveries", st2)
+	}
+}
+
 // failingFilter fails every call, as a Redis that is down.
 type failingFilter struct{ calls atomic.Int64 }
 

@@ -308,6 +308,9 @@ func (s *Store) startDurable() time.Time {
 func (s *Store) endDurable(ctx context.Context, key dedup.Key, dc dedup.Claim, err error, start time.Time) {
 	if s.cfg.filter != nil && err == nil {
 		s.gate.durable(time.Since(start))
+		if dc.Outcome == dedup.Duplicate {
+			s.gate.durableDuplicate()
+		}
 	}
 	s.observe(ctx, s.cfg.durableName, key, dc, err, start)
 }
