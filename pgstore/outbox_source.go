@@ -12,6 +12,7 @@ import (
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // OutboxSource is the store's outbox table as an [outbox.Source] for
@@ -24,6 +25,7 @@ type OutboxSource struct {
 	n      int
 	delete bool
 	sql    outboxSQL
+	mode   []any // perExecution, before the arguments of fetch, mark and fail
 
 	mu      sync.Mutex // CreateIndex
 	imu     sync.Mutex // indexed, checked (never held across a build)
@@ -78,7 +80,36 @@ func (s *Store) OutboxSource(opts ...OutboxOption) (*OutboxSource, error) {
 		return nil, &dedup.ArgumentError{Arg: "outbox partitions", Reason: "must be between 1 and 4096, got " + itoa(o.n)}
 	}
 	o.sql = s.outboxSQL(o.delete, o.n)
+	o.mode = perExecution(s.pool)
 	return o, nil
+}
+
+// perExecution returns the mode in which the relay's reads and marks are
+// sent so that PostgreSQL plans each execution with its own argument
+// values and the table's size at that moment, or nil when the pool's
+// default already does. pgx's default mode prepares each statement by name
+// once per connection, and after five executions PostgreSQL may keep a
+// generic plan: one made while the outbox was empty (a relay polls an
+// idle outbox many times, and a VACUUM of the empty table sets its size to
+// zero pages) walks the whole table for each row it reads once a backlog
+// arrives, which made one read of a 50,000-row backlog run for minutes.
+// The unnamed statement of QueryExecModeCacheDescribe is planned at each
+// execution, in the same round trip; planning costs tens of microseconds
+// per batch.
+func perExecution(pool *pgxpool.Pool) []any {
+	cc := pool.Config().ConnConfig
+	if cc.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+		return nil // the other modes use the unnamed statement already
+	}
+	if cc.DescriptionCacheCapacity == 0 {
+		return []any{pgx.QueryExecModeDescribeExec}
+	}
+	return []any{pgx.QueryExecModeCacheDescribe}
+}
+
+// args puts o.mode before a statement's arguments.
+func (o *OutboxSource) args(a ...any) []any {
+	return append(o.mode[:len(o.mode):len(o.mode)], a...)
 }
 
 // The partition of a row, by the hash of its aggregate key.
@@ -329,7 +360,7 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 		// With the partition index a read is one index range: one
 		// statement.
 		var err error
-		if rows, err = o.s.pool.Query(ctx, o.sql.fetch, args...); err != nil {
+		if rows, err = o.s.pool.Query(ctx, o.sql.fetch, o.args(args...)...); err != nil {
 			return nil, o.s.failAuto(ctx, "outbox fetch", err)
 		}
 	} else {
@@ -341,11 +372,12 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 		var b pgx.Batch
 		b.Queue(`BEGIN READ ONLY`)
 		b.Queue(`SET LOCAL jit = off`)
+		b.Queue(`SET LOCAL plan_cache_mode = force_custom_plan`) // see perExecution
 		b.Queue(o.sql.fetch, args...)
 		b.Queue(`COMMIT`)
 		br := o.s.pool.SendBatch(ctx, &b)
 		defer br.Close()
-		for range 2 {
+		for range 3 {
 			if _, err := br.Exec(); err != nil {
 				return nil, o.s.failAuto(ctx, "outbox fetch", err)
 			}
@@ -426,7 +458,7 @@ func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) e
 	}
 	var held bool
 	var n int
-	if err := o.s.pool.QueryRow(ctx, o.sql.mark, l.Partition, l.Owner, l.Epoch, seqs).Scan(&held, &n); err != nil {
+	if err := o.s.pool.QueryRow(ctx, o.sql.mark, o.args(l.Partition, l.Owner, l.Epoch, seqs)...).Scan(&held, &n); err != nil {
 		return o.s.failAuto(ctx, "outbox mark", err)
 	}
 	if !held {
@@ -449,7 +481,7 @@ func (o *OutboxSource) Fail(ctx context.Context, l outbox.Lease, fs []outbox.Fai
 	}
 	var held bool
 	var n int
-	if err := o.s.pool.QueryRow(ctx, o.sql.fail, l.Partition, l.Owner, l.Epoch, ids, errs, delays, qs).Scan(&held, &n); err != nil {
+	if err := o.s.pool.QueryRow(ctx, o.sql.fail, o.args(l.Partition, l.Owner, l.Epoch, ids, errs, delays, qs)...).Scan(&held, &n); err != nil {
 		return o.s.failAuto(ctx, "outbox fail", err)
 	}
 	if !held {
