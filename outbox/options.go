@@ -42,6 +42,7 @@ type config struct {
 	published   func(partition int, msgs []Message)
 	markHook    func(partition int, acked []Message) error
 	maxParts    int
+	noPipeline  bool // tests and benchmarks: mark every batch before the next publish
 }
 
 func defaultConfig() config {
@@ -139,9 +140,10 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 // WithPublishedHook calls f after each batch's acknowledged messages are
-// marked, from the partition's goroutine (for metrics: commit-to-publish
-// latency is time.Since(m.CreatedAt)). f must not retain msgs. Default
-// none.
+// marked, one call at a time per partition and in the order of the
+// marks, from the partition's goroutine or its mark's (for metrics:
+// commit-to-publish latency is time.Since(m.CreatedAt)). f must not
+// retain msgs. Default none.
 func WithPublishedHook(f func(partition int, msgs []Message)) Option {
 	return optionFunc(func(c *config) { c.published = f })
 }

@@ -2,9 +2,12 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
@@ -119,4 +122,108 @@ func TestReadAheadKeepsOrderThroughFailures(t *testing.T) {
 	if rl.Stats().Failed == 0 {
 		t.Fatal("no failure recorded: the failure path was not exercised")
 	}
+}
+
+// markFaults is the real source whose marks fail on cue: every fifth
+// mark fails, alternately before the statement (nothing marked) and after
+// it (marked, but the relay is told it failed: an unknown outcome). Its
+// first marks wait until the publisher has been handed a message past
+// the batch being marked, which only a relay that publishes under a mark
+// in flight does.
+type markFaults struct {
+	*pgstore.OutboxSource
+	calls, failed, overlapped atomic.Int64
+	sent                      *atomic.Int64 // the highest Seq handed to the publisher
+}
+
+func (m *markFaults) Mark(ctx context.Context, l outbox.Lease, seqs []int64) error {
+	n := m.calls.Add(1)
+	if n <= 3 && len(seqs) > 0 {
+		// The bound is for a relay that never overlaps (it would wait
+		// here forever), not a timing check.
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			if m.sent.Load() > slices.Max(seqs) {
+				m.overlapped.Add(1)
+				break
+			}
+		}
+	}
+	switch {
+	case n%10 == 5:
+		m.failed.Add(1)
+		return errors.New("connection reset before the mark")
+	case n%10 == 0:
+		if err := m.OutboxSource.Mark(ctx, l, seqs); err != nil {
+			return err
+		}
+		m.failed.Add(1)
+		return errors.New("connection reset after the mark")
+	}
+	return m.OutboxSource.Mark(ctx, l, seqs)
+}
+
+// seqPub records the highest Seq it was handed.
+type seqPub struct {
+	*fakePub
+	sent *atomic.Int64
+}
+
+func (p seqPub) Publish(ctx context.Context, batch []outbox.Message, results []error) {
+	for _, m := range batch {
+		if m.Seq > p.sent.Load() {
+			p.sent.Store(m.Seq)
+		}
+	}
+	p.fakePub.Publish(ctx, batch, results)
+}
+
+// A relay on one partition publishes the next batch while the current
+// one's mark is in flight; a mark that fails (before or after its
+// statement ran) loses nothing and reorders nothing: the batch and the
+// one published under its mark are sent again, in order, and a consumer
+// that dedups by message ID applies every message once, each key's in
+// the order written.
+func TestPipelinedMarkFailureKeepsOrder(t *testing.T) {
+	t.Parallel()
+	r := newRig(t, pgstore.WithOutboxPartitions(1))
+	if err := r.src.CreateIndex(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var sent atomic.Int64
+	src := &markFaults{OutboxSource: r.src, sent: &sent}
+	const n, keys = 600, 7
+	var batch []outbox.Message
+	for i := range n {
+		batch = append(batch, msg(fmt.Sprint("evt-", i), fmt.Sprint("agg-", i%keys)))
+	}
+	r.write(batch...)
+	pub := newFakePub()
+	rl, err := outbox.NewRelay(src, seqPub{pub, &sent}, outbox.WithBatchSize(25), outbox.WithPollInterval(20e6), outbox.WithLeaseTTL(300e6),
+		outbox.WithBackoff(5e6, 20e6))
+	if err != nil {
+		t.Fatal(err)
+	}
+	go rl.Run(context.Background())
+	t.Cleanup(func() { rl.Close() })
+	eventually(t, "every row marked", func() bool { return r.count(`published_at IS NULL`) == 0 })
+	if src.overlapped.Load() == 0 {
+		t.Fatal("no mark was in flight while the next batch went to the broker: nothing was pipelined")
+	}
+	if src.failed.Load() < 2 {
+		t.Fatalf("%d marks failed: the failure path was not exercised", src.failed.Load())
+	}
+	got := pub.published()
+	if len(got) != n {
+		t.Fatalf("%d distinct messages acknowledged, want %d", len(got), n)
+	}
+	again := 0
+	for _, c := range got {
+		if c > 1 {
+			again++
+		}
+	}
+	if again == 0 {
+		t.Fatal("nothing was sent twice after a failed mark")
+	}
+	checkOrder(t, pub, keys, n)
 }

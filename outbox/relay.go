@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -339,8 +340,11 @@ const readAheadBelow = 4
 // work runs one partition until w.stop is closed, the lease is lost or a
 // mark hook crashes the relay. After a full batch, when the source is a
 // [Prefetcher] and the relay holds few partitions (readAheadBelow), it
-// reads the next batch while the current one is at the broker, and
-// keeps it only if the whole batch was acknowledged and marked.
+// reads the next batch while the current one is at the broker. When the
+// whole batch was acknowledged and that read found more, the batch's mark
+// runs while the next batch is published (see pipelined); otherwise the
+// read is thrown away and the partition marks, records its failures and
+// reads afresh.
 func (r *Relay) work(ctx context.Context, w *worker) error {
 	results := make([]error, 0, r.cfg.batch)
 	pf, _ := r.src.(Prefetcher)
@@ -368,6 +372,23 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 		}
 		return true
 	}
+	// The mark in flight, if any: its batch was acknowledged in full and
+	// the batch after it is read (ahead) or at the broker.
+	var pend *pipelined
+	settle := func() (res markResult) {
+		if pend != nil {
+			res = <-pend.done
+			pend = nil
+		}
+		return res
+	}
+	defer settle() // a stop or crash still waits for the mark in flight
+	fenced := func(l Lease) error {
+		r.stats.leaseLost.Add(1)
+		r.cfg.logger.Warn("outbox relay fenced off partition", "relay", r.cfg.id, "partition", l.Partition, "epoch", l.Epoch)
+		<-w.stop // the manager sees the new owner on its next beat
+		return nil
+	}
 	var next []Message // read under the previous batch's publish
 	// A read ahead skips rows committed late below the batch in flight
 	// (they cut their keys): a plain read at least every chainMax picks
@@ -384,6 +405,15 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 		msgs, prefetched := next, next != nil
 		next = nil
 		if !prefetched {
+			// A plain read must see the batch before marked.
+			if res := settle(); res.lost {
+				return fenced(l)
+			} else if res.retry {
+				if !pause(r.cfg.minBackoff) {
+					return nil
+				}
+				continue
+			}
 			var err error
 			msgs, err = r.src.Fetch(ctx, l, r.cfg.batch, skip)
 			r.stats.fetches.Add(1)
@@ -407,35 +437,60 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 		reading := pf != nil && len(msgs) == r.cfg.batch && time.Duration(nanotime()-plainAt) < chainMax &&
 			r.stats.held.Load() < readAheadBelow
 		if reading {
+			// The batch whose mark is in flight is not marked yet as far
+			// as this read can tell: pass it over too (its Seqs are all
+			// below msgs', which were read after it).
+			inflight := msgs
+			if pend != nil {
+				inflight = append(slices.Clip(pend.msgs), msgs...)
+			}
 			go func() {
-				m, err := pf.FetchNext(ctx, l, msgs, r.cfg.batch, skip)
+				m, err := pf.FetchNext(ctx, l, inflight, r.cfg.batch, skip)
 				ahead <- fetched{m, err}
 			}()
 		}
-		lost, retryNow, err := r.batch(ctx, l, msgs, results[:len(msgs)])
+		r.pub.Publish(ctx, msgs, results[:len(msgs)])
+		r.stats.batches.Add(1)
+		out := r.sort(ctx, msgs, results[:len(msgs)])
 		clear(results[:len(msgs)])
+		// This batch's mark may only follow the one before it.
+		before := settle()
+		var f fetched
 		if reading {
-			f := <-ahead
+			f = <-ahead
 			r.stats.fetches.Add(1)
-			if err == nil && !lost && !retryNow && f.err == nil && len(f.msgs) > 0 {
-				next = f.msgs
+		}
+		if before.lost {
+			return fenced(l)
+		}
+		if before.retry {
+			// The batch before goes again, and this one after it: nothing
+			// of this one is marked, and the read ahead is dropped.
+			if !pause(r.cfg.minBackoff) {
+				return nil
+			}
+			continue
+		}
+		if r.cfg.markHook != nil {
+			if err := r.cfg.markHook(l.Partition, out.acked); err != nil {
+				return crash{err}
 			}
 		}
-		if err != nil {
-			return err
+		if reading && !r.cfg.noPipeline && out.clean() && len(out.seqs) == len(msgs) && f.err == nil && len(f.msgs) > 0 {
+			pend = r.markAsync(ctx, l, msgs, out)
+			next = f.msgs
+			continue
 		}
+		lost, retryNow := r.record(ctx, l, out)
 		if lost {
-			r.stats.leaseLost.Add(1)
-			r.cfg.logger.Warn("outbox relay fenced off partition", "relay", r.cfg.id, "partition", l.Partition, "epoch", l.Epoch)
-			<-w.stop // the manager sees the new owner on its next beat
-			return nil
+			return fenced(l)
 		}
 		switch {
 		case retryNow:
 			if !pause(r.cfg.minBackoff) {
 				return nil
 			}
-		case next == nil && !prefetched && len(msgs) < r.cfg.batch:
+		case !prefetched && len(msgs) < r.cfg.batch:
 			// A short read: the partition is drained for now.
 			if !pause(r.cfg.poll) {
 				return nil
@@ -444,15 +499,49 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 	}
 }
 
-// batch publishes msgs and records the outcome. lost reports a fenced
-// mark; retryNow that some messages were not sent and the partition
-// should pause before reading again.
-func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []error) (lost, retryNow bool, err error) {
-	r.pub.Publish(ctx, msgs, results)
-	r.stats.batches.Add(1)
-	var acked []Message
-	var seqs []int64
-	var failures []Failure
+// outcome is a published batch sorted for the mark: what to mark, what
+// to record as failed, and whether some messages were not sent.
+type outcome struct {
+	acked    []Message
+	seqs     []int64
+	failures []Failure
+	retryNow bool
+}
+
+func (o *outcome) clean() bool { return len(o.failures) == 0 && !o.retryNow }
+
+// markResult is what a mark found: the lease lost, or a failure after
+// which its batch is sent again.
+type markResult struct{ lost, retry bool }
+
+// pipelined is a batch whose mark runs while the next batch is
+// published. The next batch is read (ahead) and sent only once every
+// message of this one was acknowledged, so the broker has each key's
+// messages in order whatever happens to the mark; and the next batch's
+// mark waits for this one's result: if this mark fails, neither is
+// marked, and a plain read sends this batch again and then the next one
+// (the consumer's dedup absorbs the second copies, as after any crash
+// between the ack and the mark); if the lease was lost, the new owner
+// does the same.
+type pipelined struct {
+	msgs []Message // for the read ahead to pass over
+	done chan markResult
+}
+
+func (r *Relay) markAsync(ctx context.Context, l Lease, msgs []Message, out outcome) *pipelined {
+	p := &pipelined{msgs: msgs, done: make(chan markResult, 1)}
+	go func() {
+		lost, retry := r.mark(ctx, l, out)
+		p.done <- markResult{lost, retry}
+	}()
+	return p
+}
+
+// sort splits a published batch: per key, the prefix before its first
+// failure is marked; the failure is recorded (unless the message was not
+// sent); the key's later messages are sent again later, in order.
+func (r *Relay) sort(ctx context.Context, msgs []Message, results []error) outcome {
+	var o outcome
 	var broken map[string]bool
 	for i := range msgs {
 		m := &msgs[i]
@@ -460,8 +549,8 @@ func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []er
 			continue // after a failure of its key: sent again later, in order
 		}
 		if results[i] == nil {
-			acked = append(acked, *m)
-			seqs = append(seqs, m.Seq)
+			o.acked = append(o.acked, *m)
+			o.seqs = append(o.seqs, m.Seq)
 			continue
 		}
 		if broken == nil {
@@ -471,47 +560,62 @@ func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []er
 		if errors.Is(results[i], ErrNotSent) || ctx.Err() != nil {
 			// Not attempted, or cut short by our own shutdown: no attempt
 			// is counted against the message.
-			retryNow = true
+			o.retryNow = true
 			continue
 		}
 		attempts := m.Attempts + 1
 		q := IsPermanent(results[i]) || attempts >= r.cfg.maxAttempts
-		failures = append(failures, Failure{Seq: m.Seq, Err: truncate(results[i].Error(), 2000), RetryAfter: r.backoff(attempts), Quarantine: q})
+		o.failures = append(o.failures, Failure{Seq: m.Seq, Err: truncate(results[i].Error(), 2000), RetryAfter: r.backoff(attempts), Quarantine: q})
 	}
-	if r.cfg.markHook != nil {
-		if err := r.cfg.markHook(l.Partition, acked); err != nil {
-			return false, false, crash{err}
-		}
-	}
-	// Mark and record on a detached context: a shutdown mid-batch still
-	// records what the broker acknowledged.
+	return o
+}
+
+// mark marks out's acknowledged messages, on a detached context: a
+// shutdown mid-batch still records what the broker acknowledged.
+func (r *Relay) mark(ctx context.Context, l Lease, out outcome) (lost, retry bool) {
 	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	if err := r.src.Mark(mctx, l, seqs); err != nil {
+	if err := r.src.Mark(mctx, l, out.seqs); err != nil {
 		if errors.Is(err, ErrLeaseLost) {
-			return true, false, nil
+			return true, false
 		}
 		r.cfg.logger.Warn("outbox relay mark failed; the batch will be sent again", "relay", r.cfg.id, "partition", l.Partition, "err", err)
-		return false, true, nil
+		return false, true
 	}
-	r.stats.published.Add(int64(len(seqs)))
-	if len(acked) > 0 {
-		oldest := acked[0].CreatedAt
-		for _, m := range acked[1:] {
+	r.stats.published.Add(int64(len(out.seqs)))
+	if len(out.acked) > 0 {
+		oldest := out.acked[0].CreatedAt
+		for _, m := range out.acked[1:] {
 			if m.CreatedAt.Before(oldest) {
 				oldest = m.CreatedAt
 			}
 		}
 		r.stats.lag.Store(int64(time.Since(oldest)))
+		if r.cfg.published != nil {
+			r.cfg.published(l.Partition, out.acked)
+		}
 	}
-	if err := r.src.Fail(mctx, l, failures); err != nil {
+	return false, false
+}
+
+// record marks out's acknowledged messages and then records its
+// failures. lost reports a fenced mark; retryNow that some messages were
+// not sent and the partition should pause before reading again.
+func (r *Relay) record(ctx context.Context, l Lease, out outcome) (lost, retryNow bool) {
+	if lost, retry := r.mark(ctx, l, out); lost || retry {
+		return lost, retry
+	}
+	retryNow = out.retryNow
+	mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := r.src.Fail(mctx, l, out.failures); err != nil {
 		if errors.Is(err, ErrLeaseLost) {
-			return true, false, nil
+			return true, false
 		}
 		r.cfg.logger.Warn("outbox relay could not record failures", "relay", r.cfg.id, "partition", l.Partition, "err", err)
 		retryNow = true
 	} else {
-		for _, f := range failures {
+		for _, f := range out.failures {
 			r.stats.failed.Add(1)
 			if f.Quarantine {
 				r.stats.quarantined.Add(1)
@@ -519,13 +623,10 @@ func (r *Relay) batch(ctx context.Context, l Lease, msgs []Message, results []er
 			}
 		}
 	}
-	if len(failures) > 0 {
+	if len(out.failures) > 0 {
 		retryNow = true
 	}
-	if r.cfg.published != nil && len(acked) > 0 {
-		r.cfg.published(l.Partition, acked)
-	}
-	return false, retryNow, nil
+	return false, retryNow
 }
 
 // backoff is the delay after the attempt-th failure, saturating at max.
