@@ -53,10 +53,12 @@ func NewInboxOutbox[Tx any](name string, inbox Inbox[Tx], w OutboxWriter[Tx], h 
 	}, opts...)
 }
 
-// An OutboxQueuer queues outgoing messages on the writes of an [Applier]:
-// pgstore.Store (W = *pgx.Batch) is one.
+// An OutboxQueuer queues outgoing messages on the writes of an [Applier],
+// adding to each the trace headers of ctx when an
+// [outbox.SetHeaderInjector] is set: pgstore.Store (W = *pgx.Batch) is
+// one.
 type OutboxQueuer[W any] interface {
-	QueueOutbox(writes W, msgs ...outbox.Message) error
+	QueueOutboxContext(ctx context.Context, writes W, msgs ...outbox.Message) error
 }
 
 // A WritesBridgeHandler is a [WritesHandler] that also returns the
@@ -66,8 +68,10 @@ type WritesBridgeHandler[W any] func(ctx context.Context, m *Message, d Delivery
 // NewApplyOutbox is [NewApply] whose handler also returns outgoing
 // messages: they are queued with q on its writes, so the applier commits
 // them with the record and the writes in its one step (for pgstore, one
-// round trip). writes must not be nil when out is not empty. An invalid
-// outgoing message is a permanent failure of the message.
+// round trip), with the trace headers of the handler's context (the one
+// given to Process) as [NewInboxOutbox] adds them. writes must not be nil
+// when out is not empty. An invalid outgoing message is a permanent
+// failure of the message.
 func NewApplyOutbox[W any](name string, ap Applier[W], q OutboxQueuer[W], h WritesBridgeHandler[W], opts ...Option) (*Processor, error) {
 	if any(q) == nil {
 		return nil, &dedup.ArgumentError{Arg: "outbox queuer", Reason: "is nil"}
@@ -80,7 +84,7 @@ func NewApplyOutbox[W any](name string, ap Applier[W], q OutboxQueuer[W], h Writ
 		if err != nil || len(out) == 0 {
 			return writes, res, err
 		}
-		if err := q.QueueOutbox(writes, out...); err != nil {
+		if err := q.QueueOutboxContext(ctx, writes, out...); err != nil {
 			var none W
 			return none, nil, bridgeError(err)
 		}

@@ -8,9 +8,13 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/dedupotel"
+	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/outbox"
+	"github.com/dedupkit/dedup/pgstore"
 	"github.com/dedupkit/dedup/sqlitestore"
+	"github.com/jackc/pgx/v5"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 )
 
@@ -83,5 +87,59 @@ func TestOutboxWriterInjectsTraceparent(t *testing.T) {
 	}
 	if h := headers("no-span"); len(h) != 0 {
 		t.Fatalf("outside a span: headers %v, want none", h)
+	}
+}
+
+// consumer.NewApplyOutbox queues its handler's outgoing messages with the
+// context given to Process: a message emitted while that context carries
+// a span goes out with the span's traceparent (the trace continues from
+// the message consumed to the one emitted); without a span nothing is
+// added.
+func TestApplyOutboxInjectsTraceparent(t *testing.T) {
+	outbox.SetHeaderInjector(dedupotel.Inject)
+	t.Cleanup(func() { outbox.SetHeaderInjector(nil) })
+	tp := sdktrace.NewTracerProvider()
+	defer tp.Shutdown(context.Background())
+
+	pool := testenv.PostgresPool(t)
+	s, err := pgstore.New(pool, pgstore.WithSchema(testenv.PostgresSchema(t, pool)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx := context.Background()
+	if _, err := s.Migrate(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p, err := consumer.NewApplyOutbox("orders", s, s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) (*pgx.Batch, []byte, []outbox.Message, error) {
+		return &pgx.Batch{}, nil, []outbox.Message{{ID: consumer.OutboxID(m, 0), Topic: "orders.shipped", Key: m.ID}}, nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sctx, span := tp.Tracer("app").Start(ctx, "consume order")
+	defer span.End()
+	for _, c := range []struct {
+		ctx context.Context
+		id  string
+	}{{sctx, "in-span"}, {ctx, "no-span"}} {
+		if d := p.Process(c.ctx, &consumer.Message{ID: c.id, Payload: []byte("{}")}); d.Action != consumer.Ack {
+			t.Fatalf("Process(%s) = %+v", c.id, d)
+		}
+	}
+	headers := func(id string) map[string]string {
+		t.Helper()
+		var h map[string]string
+		if err := pool.QueryRow(ctx, `SELECT headers FROM `+s.Tables().Outbox+` WHERE message_key = $1`, id).Scan(&h); err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	traceID := span.SpanContext().TraceID().String()
+	if h := headers("in-span/out/0"); !strings.Contains(h["traceparent"], traceID) {
+		t.Fatalf("emitted in a span: headers %v, want the traceparent of trace %s", h, traceID)
+	}
+	if h := headers("no-span/out/0"); len(h) != 0 {
+		t.Fatalf("emitted outside a span: headers %v, want none", h)
 	}
 }

@@ -16,7 +16,8 @@ var injector atomic.Pointer[HeaderInjector]
 
 // SetHeaderInjector makes every outbox writer that is given a context
 // (pgstore's WriteOutbox, WriteOutboxSQL and QueueOutboxContext,
-// sqlitestore's WriteOutbox, and through them consumer.NewInboxOutbox)
+// sqlitestore's WriteOutbox, and through them consumer.NewInboxOutbox and
+// consumer.NewApplyOutbox)
 // add the headers f writes for the caller's context to each message that
 // has no traceparent header of its own, before it is validated and
 // written: the trace of the business transaction then continues at the
