@@ -39,7 +39,12 @@
 // completing up to 128 keys that may share a script (any keys on a
 // standalone server, keys of one hash slot on a cluster), each key fenced
 // by its own token: one script call instead of one a key saves the server
-// about a third of its time per completion. On a cluster the client
+// about a third of its time per completion. Concurrent Complete calls are
+// sent the same way: a call joins the batch that fills while up to two
+// batches are on the wire, and the first caller to find a slot free sends
+// it (a lone call is sent at once; a caller whose context ends before its
+// batch is sent gets a not-applied error and its record stays in
+// progress). On a cluster the client
 // splits a pipeline per node and slot and the replies come back in request
 // order.
 //
