@@ -23,12 +23,19 @@ import (
 // time a key): one in flight gave the largest batches (4.4 us a key), two
 // 4.6, four 5.2, where the previous one script call a key took 7.1-7.5
 // and CompleteBatch 4.2 in the same run; two keeps a second batch on the
-// wire while the first one's reply travels. A caller waits for its own batch's reply or for its
-// context; a caller that gives up returns an error whose outcome is
-// unknown (the batch may still complete its record), as a timed-out
-// single call would. A flush runs on a context detached from the caller
-// that sends it (with its own timeout), so one caller's cancellation does
-// not fail the others' completions.
+// wire while the first one's reply travels.
+//
+// A batch is sent by a goroutine of the store (started by the caller that
+// took the slot, counted, and waited for by Close), on a context detached
+// from every caller (with its own timeout, and ended by Close), so one
+// caller's cancellation does not fail the others' completions. Every
+// caller, the one that started the flush included, waits for its own
+// batch's reply or for its own context; a caller that gives up once its
+// batch was taken returns an error whose outcome is unknown (the batch may
+// still complete its record), as a timed-out single call would, and one
+// that gives up before gets a not-applied error and its item is dropped.
+// Close fails the batch still filling with ErrClosed (nothing of it is
+// sent), ends the flushes in flight and waits for them.
 
 const (
 	maxFlushes   = 2
@@ -36,9 +43,14 @@ const (
 )
 
 type coalescer struct {
-	sem chan struct{} // a slot per flush in flight
-	mu  sync.Mutex
-	cur *pendingBatch // filling; nil when none
+	sem     chan struct{} // a slot per flush in flight
+	flushes sync.WaitGroup
+	stop    context.Context // ended by Close: flushes in flight give up
+	cancel  context.CancelFunc
+
+	mu     sync.Mutex
+	cur    *pendingBatch // filling; nil when none
+	closed bool          // no item joins, no batch is taken
 }
 
 type pendingBatch struct {
@@ -52,13 +64,44 @@ type pendingBatch struct {
 	taken   bool          // a flusher took it (under coalescer.mu)
 }
 
-func newCoalescer() *coalescer { return &coalescer{sem: make(chan struct{}, maxFlushes)} }
+func newCoalescer() *coalescer {
+	stop, cancel := context.WithCancel(context.Background())
+	return &coalescer{sem: make(chan struct{}, maxFlushes), stop: stop, cancel: cancel}
+}
+
+// close fails the batch that is filling with ErrClosed (none of it was
+// sent) and ends the flushes in flight; Store.Close then waits for them
+// (co.flushes). Later calls get ErrClosed without queueing. A flush that
+// rueidis sends synchronously (a lone one: its connection was idle) waits
+// for its deadline rather than for a cancellation, so a flush on a server
+// that stopped answering ends when the client is closed (a store that owns
+// its client closes it first) or at the client's own read timeout
+// (ConnWriteTimeout, 10s by default).
+func (co *coalescer) close() {
+	co.mu.Lock()
+	co.closed = true
+	if b := co.cur; b != nil {
+		co.cur = nil
+		b.taken = true
+		b.errs = make([]error, len(b.items))
+		for i := range b.errs {
+			b.errs[i] = dedup.ErrClosed
+		}
+		close(b.done)
+	}
+	co.mu.Unlock()
+	co.cancel()
+}
 
 // completeCoalesced completes one claim through the coalescer. The claim
-// and retention are valid and the store is open.
+// and retention are valid.
 func (s *Store) completeCoalesced(ctx context.Context, c dedup.Claim, result []byte, retention time.Duration) error {
 	co := s.coalesce
 	co.mu.Lock()
+	if co.closed {
+		co.mu.Unlock()
+		return dedup.ErrClosed
+	}
 	b := co.cur
 	if b == nil {
 		b = &pendingBatch{done: make(chan struct{})}
@@ -83,16 +126,21 @@ func (s *Store) completeCoalesced(ctx context.Context, c dedup.Claim, result []b
 		if co.cur == b {
 			co.cur = nil
 		}
+		// Under mu, which close takes before it waits: every flush
+		// started is waited for.
+		co.flushes.Add(1)
+		go func() {
+			defer co.flushes.Done()
+			s.flush(ctx, b)
+			<-co.sem
+		}()
 	}
 	co.mu.Unlock()
-	if take {
-		s.flush(ctx, b)
+	if !take {
+		// Another caller sent this batch (or Close failed it): give the
+		// slot back.
 		<-co.sem
-		return b.errs[i]
 	}
-	// Another caller is sending this batch: give the slot back and wait
-	// for its reply.
-	<-co.sem
 	select {
 	case <-b.done:
 		return b.errs[i]
@@ -114,10 +162,12 @@ func (s *Store) abandon(ctx context.Context, b *pendingBatch, i int) error {
 	return &dedup.StoreError{Store: storeName, Op: "complete", Err: ctx.Err(), NotApplied: true}
 }
 
-// flush sends b and publishes one error per item.
+// flush sends b and publishes one error per item. It runs on a context
+// that keeps ctx's values but not its end: flushTimeout, or Close.
 func (s *Store) flush(ctx context.Context, b *pendingBatch) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), flushTimeout)
 	defer cancel()
+	defer context.AfterFunc(s.coalesce.stop, cancel)()
 	errs := make([]error, len(b.items))
 	// Items are grouped by retention (completeMany takes one); almost
 	// always there is one, and nothing dropped.

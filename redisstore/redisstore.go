@@ -719,13 +719,17 @@ func (s *Store) Ping(ctx context.Context) error {
 }
 
 // Close closes the client if the store opened it. Later calls return
-// [dedup.ErrClosed].
+// [dedup.ErrClosed]. Completions still queued return ErrClosed and are not
+// sent; the batches in flight are ended (their callers get a store error
+// or ErrClosed, outcome unknown) and waited for (see coalescer.close).
 func (s *Store) Close() error {
 	if s.closed.Swap(true) {
 		return nil
 	}
+	s.coalesce.close()
 	if s.ownClient {
 		s.client.Close()
 	}
+	s.coalesce.flushes.Wait()
 	return nil
 }

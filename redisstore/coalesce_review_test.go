@@ -1,0 +1,161 @@
+package redisstore
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/redis/rueidis"
+)
+
+// flushesInFlight is how many flush slots are held.
+func flushesInFlight(s *Store) int { return len(s.coalesce.sem) }
+
+// waitFor polls cond, failing the test after many tries.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for i := 0; !cond(); i++ {
+		if i == 20000 {
+			t.Fatalf("gave up waiting: %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// claimOne claims a fresh key on s.
+func claimOne(t *testing.T, s *Store, id string) dedup.Claim {
+	t.Helper()
+	c, err := s.Claim(context.Background(), dedup.Key{Scope: "rev1", ID: id}, dedup.FingerprintOf([]byte("p")), time.Minute)
+	if err != nil || c.Outcome != dedup.Acquired {
+		t.Fatalf("claim %s: %v %v", id, c.Outcome, err)
+	}
+	return c
+}
+
+// TestCompleteSenderHonoursItsContext: the caller whose turn it is to send
+// a batch still returns when its own context ends while the server does
+// not answer, with an error that wraps its context's and does not claim
+// the completion was not applied (it was sent). The batch itself goes on
+// for the other callers: once the server answers the record is completed.
+// Before the fix the sender waited for the batch's reply whatever its
+// context said (up to the flush timeout), then reported the batch's
+// outcome, here the client's own timeout, not its cancellation.
+func TestCompleteSenderHonoursItsContext(t *testing.T) {
+	srv := testenv.StartRedis(t, "")
+	s, err := Open(rueidis.ClientOption{InitAddress: srv.Addrs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	bg := context.Background()
+	if err := s.client.Do(bg, s.client.B().ScriptLoad().Script(completeManyScript).Build()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	c := claimOne(t, s, "sender")
+
+	srv.Freeze()
+	thawed := false
+	thaw := func() {
+		if !thawed {
+			thawed = true
+			srv.Thaw()
+		}
+	}
+	defer thaw()
+	ctx, cancel := context.WithCancel(bg)
+	errc := make(chan error, 1)
+	go func() { errc <- s.Complete(ctx, c, []byte("r"), time.Hour) }()
+	// The batch is taken and on its way: a slot is held, nothing queued.
+	waitFor(t, "the batch to be sent", func() bool { return flushesInFlight(s) == 1 && queued(s) == 0 })
+	cancel()
+	err = <-errc
+	thaw()
+	var se *dedup.StoreError
+	if !errors.As(err, &se) || !errors.Is(err, context.Canceled) {
+		t.Fatalf("sender cancelled while its batch was in flight: %v, want a store error wrapping context.Canceled", err)
+	}
+	if se.NotApplied {
+		t.Fatalf("sender cancelled after its batch was sent reported not applied: %v", err)
+	}
+	// The batch was not abandoned with its sender: it completes the record.
+	waitFor(t, "the batch to finish", func() bool { return flushesInFlight(s) == 0 })
+	d, err := s.Claim(bg, c.Key, dedup.FingerprintOf([]byte("p")), time.Minute)
+	if err != nil || d.Outcome != dedup.Duplicate || string(d.Result) != "r" {
+		t.Fatalf("after the batch: %v %q %v, want duplicate with the result", d.Outcome, d.Result, err)
+	}
+}
+
+// TestCompleteQueuedAtCloseIsNotSent: a completion still queued (every
+// flush slot busy) when the store is closed returns ErrClosed and is never
+// sent, even though the client (the caller's) stays open: the record stays
+// in progress. Before the fix the queued call went on to send its batch
+// after Close had returned and reported success.
+func TestCompleteQueuedAtCloseIsNotSent(t *testing.T) {
+	srv := testenv.StartRedis(t, "")
+	client, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: srv.Addrs(), DisableCache: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(client.Close)
+	s, err := New(client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := claimOne(t, s, "closed")
+	release := fillSlots(s)
+	errc := make(chan error, 1)
+	go func() { errc <- s.Complete(context.Background(), c, []byte("r"), time.Hour) }()
+	waitQueued(t, s, 1)
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	release()
+	if err := <-errc; !errors.Is(err, dedup.ErrClosed) {
+		t.Fatalf("completion queued at Close: %v, want ErrClosed", err)
+	}
+	other, err := New(client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := other.Claim(context.Background(), c.Key, dedup.FingerprintOf([]byte("p")), time.Minute)
+	if err != nil || d.Outcome != dedup.InProgress {
+		t.Fatalf("key of a completion queued at Close: %v %v, want still in progress (nothing sent after Close)", d.Outcome, err)
+	}
+}
+
+// TestCloseEndsFlushInFlight: Close while a batch waits for a server that
+// does not answer returns without waiting for the server, the waiting
+// caller gets an error (never success, never "not applied": the batch was
+// sent), and no flush is left running.
+func TestCloseEndsFlushInFlight(t *testing.T) {
+	srv := testenv.StartRedis(t, "")
+	s, err := Open(rueidis.ClientOption{InitAddress: srv.Addrs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := claimOne(t, s, "inflight")
+	srv.Freeze()
+	defer srv.Thaw()
+	errc := make(chan error, 1)
+	go func() { errc <- s.Complete(context.Background(), c, []byte("r"), time.Hour) }()
+	waitFor(t, "the batch to be sent", func() bool { return flushesInFlight(s) == 1 && queued(s) == 0 })
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := flushesInFlight(s); n != 0 {
+		t.Fatalf("%d flushes still running after Close", n)
+	}
+	err = <-errc
+	var se *dedup.StoreError
+	switch {
+	case err == nil:
+		t.Fatal("completion in flight at Close reported success from a server that never answered")
+	case errors.As(err, &se) && se.NotApplied:
+		t.Fatalf("completion sent before Close reported not applied: %v", err)
+	case se == nil && !errors.Is(err, dedup.ErrClosed):
+		t.Fatalf("completion in flight at Close: %v, want ErrClosed or a store error", err)
+	}
+}
