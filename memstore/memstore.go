@@ -44,13 +44,97 @@ type Store struct {
 	bytes    atomic.Int64 // the records' sizes, by recordSize
 }
 
+// A shard keeps the records of one scope, the first it was given, in a
+// map by ID (24 bytes an entry, one string hashed and compared), and those
+// of any other scope in a map by Key (40 bytes an entry): most stores
+// serve one scope, or a few.
 type shard struct {
-	mu   sync.Mutex
-	m    map[dedup.Key]*record
-	slab []record  // records not handed out yet
-	free []*record // records given back, handed out first
-	next int       // length of the next slab
-	_    [56]byte  // keep shards on separate cache lines (128 bytes each)
+	mu    sync.Mutex
+	scope string                // the scope of byID's keys; "" until the first record
+	byID  map[string]*record    // records of scope, by ID
+	other map[dedup.Key]*record // records of other scopes; nil until one comes
+	slab  []record              // records not handed out yet
+	free  []*record             // records given back, handed out first
+	next  int                   // length of the next slab
+	_     [32]byte              // keep shards on separate cache lines (128 bytes each)
+}
+
+func (sh *shard) get(k dedup.Key) (*record, bool) {
+	if k.Scope == sh.scope {
+		r, ok := sh.byID[k.ID]
+		return r, ok
+	}
+	r, ok := sh.other[k]
+	return r, ok
+}
+
+func (sh *shard) put(k dedup.Key, r *record) {
+	if sh.scope == "" {
+		sh.scope = k.Scope
+	}
+	if k.Scope == sh.scope {
+		sh.byID[k.ID] = r
+		return
+	}
+	if sh.other == nil {
+		sh.other = make(map[dedup.Key]*record)
+	}
+	sh.other[k] = r
+}
+
+func (sh *shard) del(k dedup.Key) {
+	if k.Scope == sh.scope {
+		delete(sh.byID, k.ID)
+	} else {
+		delete(sh.other, k)
+	}
+}
+
+func (sh *shard) len() int { return len(sh.byID) + len(sh.other) }
+
+// sample calls f on up to n records (each map's iteration starts at a
+// random place), taking from each map in proportion to its size, until f
+// returns false. f may delete the record it is given.
+func (sh *shard) sample(n int, f func(k dedup.Key, r *record) bool) {
+	total := sh.len()
+	if total == 0 {
+		return
+	}
+	fromID := (n*len(sh.byID) + total - 1) / total
+	seen := 0
+	for id, r := range sh.byID {
+		if seen == fromID {
+			break
+		}
+		seen++
+		if !f(dedup.Key{Scope: sh.scope, ID: id}, r) {
+			return
+		}
+	}
+	for k, r := range sh.other {
+		if seen >= n {
+			break
+		}
+		seen++
+		if !f(k, r) {
+			return
+		}
+	}
+}
+
+// all calls f on every record until f returns false. f may delete the
+// record it is given.
+func (sh *shard) all(f func(k dedup.Key, r *record) bool) {
+	for id, r := range sh.byID {
+		if !f(dedup.Key{Scope: sh.scope, ID: id}, r) {
+			return
+		}
+	}
+	for k, r := range sh.other {
+		if !f(k, r) {
+			return
+		}
+	}
 }
 
 // A record is 72 bytes, allocated from its shard's slabs (no allocation
@@ -279,7 +363,7 @@ func New(opts ...Option) (*Store, error) {
 	_, s.system = cfg.clock.(dedup.SystemClock)
 	s.base = s.clock.Now()
 	for i := range s.shards {
-		s.shards[i].m = make(map[dedup.Key]*record)
+		s.shards[i].byID = make(map[string]*record)
 	}
 	return s, nil
 }
@@ -327,7 +411,7 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 }
 
 func (s *Store) claimLocked(sh *shard, key dedup.Key, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
-	r, found := sh.m[key]
+	r, found := sh.get(key)
 	attempt := int32(1)
 	takeOver := false
 	if found {
@@ -345,7 +429,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, p *print, lease time.Durat
 			takeOver = true
 		}
 	} else {
-		if len(sh.m) >= s.perShard {
+		if sh.len() >= s.perShard {
 			if err := s.makeRoom(sh, now); err != nil {
 				return dedup.Claim{}, err
 			}
@@ -365,7 +449,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, p *print, lease time.Durat
 		before = r.size(key)
 	} else {
 		r = sh.alloc()
-		sh.m[key] = r
+		sh.put(key, r)
 	}
 	token, until := dedup.NewToken(), dedup.DeadlineNanos(now, lease)
 	if takeOver && r.fpKind != fpNone {
@@ -388,8 +472,8 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, p *print, lease time.Durat
 func (s *Store) makeRoom(sh *shard, now int64) error {
 	const sample = 32
 	var victim dedup.Key
-	victimUntil, freed, seen := int64(-1), 0, 0
-	for k, r := range sh.m {
+	victimUntil, freed := int64(-1), 0
+	sh.sample(sample, func(k dedup.Key, r *record) bool {
 		if r.completed {
 			if r.until <= now {
 				s.drop(sh, k, r)
@@ -398,15 +482,14 @@ func (s *Store) makeRoom(sh *shard, now int64) error {
 				victim, victimUntil = k, r.until
 			}
 		}
-		if seen++; seen == sample {
-			break
-		}
-	}
+		return true
+	})
 	switch {
 	case freed > 0:
 		return nil
 	case victimUntil >= 0 && !s.strict:
-		s.drop(sh, victim, sh.m[victim])
+		r, _ := sh.get(victim)
+		s.drop(sh, victim, r)
 		s.evicted.Add(1)
 		return nil
 	}
@@ -433,7 +516,7 @@ func (s *Store) fitBytes(sh *shard, size int64, now int64) error {
 // drop deletes the record r of key k from sh, uncounts its bytes and
 // recycles it.
 func (s *Store) drop(sh *shard, k dedup.Key, r *record) {
-	delete(sh.m, k)
+	sh.del(k)
 	s.bytes.Add(-r.size(k))
 	sh.recycle(r)
 }
@@ -467,7 +550,7 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 }
 
 func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retention time.Duration, now int64) error {
-	r, ok := sh.m[c.Key]
+	r, ok := sh.get(c.Key)
 	switch {
 	case !ok || r.token != c.Token:
 		return dedup.ErrLeaseLost
@@ -517,7 +600,7 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	sh := s.shard(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	r, ok := sh.m[c.Key]
+	r, ok := sh.get(c.Key)
 	if !ok || r.token != c.Token || r.completed {
 		return dedup.ErrLeaseLost
 	}
@@ -539,7 +622,7 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	sh := s.shard(c.Key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	r, ok := sh.m[c.Key]
+	r, ok := sh.get(c.Key)
 	if !ok || r.token != c.Token || r.completed {
 		return c, dedup.ErrLeaseLost
 	}
@@ -587,15 +670,16 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		for k, r := range sh.m {
+		sh.all(func(k dedup.Key, r *record) bool {
 			if n == limit {
-				break
+				return false
 			}
 			if r.completed && r.until <= now {
 				s.drop(sh, k, r)
 				n++
 			}
-		}
+			return true
+		})
 		sh.mu.Unlock()
 		if n == limit || ctx.Err() != nil {
 			break
@@ -617,7 +701,7 @@ func (s *Store) Stats() Stats {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		st.Records += len(sh.m)
+		st.Records += sh.len()
 		sh.mu.Unlock()
 	}
 	return st
@@ -631,7 +715,8 @@ func (s *Store) Close() error {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		clear(sh.m)
+		clear(sh.byID)
+		sh.other = nil
 		sh.slab, sh.free = nil, nil
 		sh.mu.Unlock()
 	}
