@@ -201,3 +201,63 @@ func TestRecordsReused(t *testing.T) {
 		t.Errorf("%d records in a store of capacity 64", st.Records)
 	}
 }
+
+// TestScopes: a shard keeps its first scope's keys apart from the others';
+// the same ID in two scopes is two keys, a full store frees expired
+// records of either scope, and Sweep reaches both.
+func TestScopes(t *testing.T) {
+	ctx := context.Background()
+	clock := storetest.NewClock()
+	s, err := memstore.New(memstore.WithClock(clock), memstore.WithShards(1), memstore.WithCapacity(8), memstore.WithStrictCapacity())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	claim := func(scope, id string) dedup.Claim {
+		t.Helper()
+		c, err := s.Claim(ctx, dedup.Key{Scope: scope, ID: id}, "", time.Minute)
+		if err != nil {
+			t.Fatalf("claim %s/%s: %v", scope, id, err)
+		}
+		return c
+	}
+	// The same IDs in the shard's first scope and in two others.
+	for _, scope := range []string{"first", "second", "third"} {
+		for _, id := range []string{"a", "b"} {
+			c := claim(scope, id)
+			if c.Outcome != dedup.Acquired {
+				t.Fatalf("%s/%s: %v, want acquired", scope, id, c.Outcome)
+			}
+			if err := s.Complete(ctx, c, []byte(scope), time.Duration(len(scope))*time.Hour); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for _, scope := range []string{"first", "second", "third"} {
+		if c := claim(scope, "a"); c.Outcome != dedup.Duplicate || string(c.Result) != scope {
+			t.Fatalf("%s/a: %v %q", scope, c.Outcome, c.Result)
+		}
+	}
+	// Two more keys fill the store; the next is refused (strict).
+	claim("first", "c")
+	claim("third", "c")
+	if _, err := s.Claim(ctx, dedup.Key{Scope: "second", ID: "c"}, "", time.Minute); !errors.Is(err, dedup.ErrFull) {
+		t.Fatalf("full store: %v", err)
+	}
+	// Retention was the scope's length in hours: "first" and "third"
+	// expire after 5h, "second" after 6h. Past 5h the expired records of
+	// the first scope and of another make room.
+	clock.Advance(5*time.Hour + time.Second)
+	for _, id := range []string{"x", "y", "z", "w"} {
+		if c := claim("second", id); c.Outcome != dedup.Acquired {
+			t.Fatalf("second/%s after expiry: %v", id, c.Outcome)
+		}
+	}
+	clock.Advance(time.Hour)
+	if n, err := s.Sweep(ctx, 100); err != nil || n != 2 {
+		t.Fatalf("sweep: %d %v, want the 2 expired records of scope second", n, err)
+	}
+	if c := claim("second", "a"); c.Outcome != dedup.Acquired {
+		t.Fatalf("second/a after its expiry: %v", c.Outcome)
+	}
+}
