@@ -21,6 +21,10 @@ import (
 //     NOTHING, returning nothing (it cannot tell a duplicate from a new
 //     key, or return a stored result).
 //   - claim: Store.ClaimBatch with the same keys, fingerprints and lease.
+//   - raw-claim-counted: raw-claim through a CTE that returns the count
+//     of the keys it inserted: the least any one-statement claim that
+//     reports something per batch costs (it still cannot tell which keys
+//     were duplicates).
 //   - raw-complete: UPDATE ... FROM unnest(...) fenced by the token,
 //     completing what raw-claim inserted (no ordered locking).
 //   - complete: Store.CompleteBatch of what ClaimBatch acquired.
@@ -30,7 +34,8 @@ import (
 //     completion that cannot deadlock, completing what a second raw-claim
 //     inserted.
 //
-// Every op is one round: the two claims in an order that alternates from
+// Keys are the store's benchmark IDs, fingerprints dedup.FingerprintOf's.
+// Every op is one round: the three claims in an order that rotates from
 // round to round, then the three completions in an order that rotates, each timed alone
 // (the inputs are built outside the timer). It reports each case's keys
 // per second over its own time and the two ratios (ours over raw). Run
@@ -49,6 +54,9 @@ func BenchmarkBatchVsRaw(b *testing.B) {
 SELECT u.scope, u.id, 1, u.token, u.fp, now() + interval '30 seconds', 1
 FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)
 ON CONFLICT DO NOTHING`
+			// The least a one-statement claim that reports anything
+			// returns: the count of the keys it inserted, through a CTE.
+			rawCounted := `WITH i AS (` + rawClaim + ` RETURNING 1) SELECT count(*) FROM i`
 			rawComplete := `UPDATE ` + raw + ` r SET result = u.result, deadline = now() + interval '1 hour', state = 2
 FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1`
@@ -61,7 +69,7 @@ FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, t
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AND (SELECT n FROM l) >= 0`
 			g := newIDs()
 			result := []byte("ok")
-			var took [5]time.Duration // raw-claim, claim, raw-complete, complete, raw-complete-ordered
+			var took [6]time.Duration // raw-claim, claim, raw-complete, complete, raw-complete-ordered, raw-claim-counted
 			timed := func(i int, f func() error) {
 				start := time.Now()
 				err := f()
@@ -76,9 +84,13 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 				idv2 := make([][]byte, size)
 				reqs := make([]dedup.ClaimRequest, size)
 				for i := range size {
+					// A fingerprint as dedup.FingerprintOf makes it, the
+					// stored digest of it for the raw statements.
 					t := dedup.NewToken()
-					scopes[i], idv[i], idv2[i], toks[i], fps[i], results[i] = 1, pgstore.EncodeID(g.next()), pgstore.EncodeID(g.next()), t[:], pgstore.FingerprintDigest(fpA), result
-					reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: g.next()}, Fingerprint: fpA}
+					id := g.next()
+					fp := dedup.FingerprintOf([]byte(id))
+					scopes[i], idv[i], idv2[i], toks[i], fps[i], results[i] = 1, pgstore.EncodeID(g.next()), pgstore.EncodeID(g.next()), t[:], pgstore.FingerprintDigest(fp), result
+					reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: id}, Fingerprint: fp}
 				}
 				// The keys of the ordered raw completion, claimed outside
 				// the timer and sorted as CompleteBatch sorts its items.
@@ -87,7 +99,21 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 					b.Fatal(err)
 				}
 				var claims []dedup.Claim
+				idv3 := make([][]byte, size)
+				for i := range idv3 {
+					idv3[i] = pgstore.EncodeID(g.next())
+				}
 				claimCases := []func(){
+					func() {
+						timed(5, func() error {
+							var n int64
+							err := s.Pool().QueryRow(ctx, rawCounted, scopes, idv3, toks, fps).Scan(&n)
+							if err == nil && n != int64(size) {
+								err = fmt.Errorf("counted raw claim inserted %d", n)
+							}
+							return err
+						})
+					},
 					func() {
 						timed(0, func() error { _, err := s.Pool().Exec(ctx, rawClaim, scopes, idv, toks, fps); return err })
 					},
@@ -102,8 +128,9 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 						})
 					},
 				}
-				claimCases[round%2]()
-				claimCases[(round+1)%2]()
+				for k := range claimCases {
+					claimCases[(k+round)%len(claimCases)]()
+				}
 				items := make([]dedup.Completion, size)
 				for i, c := range claims {
 					items[i] = dedup.Completion{Claim: c, Result: result}
@@ -145,7 +172,7 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 			for range 5 {
 				step() // connections dialled, statements prepared
 			}
-			took = [5]time.Duration{}
+			took = [6]time.Duration{}
 			round = 0
 			for b.Loop() {
 				step()
@@ -154,6 +181,8 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 			b.ReportMetric(rate(0), "raw-claim-ids/s")
 			b.ReportMetric(rate(1), "claim-ids/s")
 			b.ReportMetric(rate(1)/rate(0), "claim/raw")
+			b.ReportMetric(rate(5), "raw-counted-claim-ids/s")
+			b.ReportMetric(rate(1)/rate(5), "claim/raw-counted")
 			b.ReportMetric(rate(2), "raw-complete-ids/s")
 			b.ReportMetric(rate(3), "complete-ids/s")
 			b.ReportMetric(rate(3)/rate(2), "complete/raw")
