@@ -153,7 +153,8 @@ func TestConvertOldRecordsOnline(t *testing.T) {
 			t.Errorf("old expired key: %+v, %v; want acquired afresh", c, err)
 		}
 
-		// Claims of old and new keys while the conversion runs.
+		// Claims of old and new keys while the conversion runs (and on
+		// past its end, so that a fast conversion still meets some).
 		var acquiredOld, dups, newKeys atomic.Int64
 		stop := make(chan struct{})
 		var wg sync.WaitGroup
@@ -162,10 +163,13 @@ func TestConvertOldRecordsOnline(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				for i := 0; ; i++ {
-					select {
-					case <-stop:
-						return
-					default:
+					// At least 20 rounds each, whenever the conversion ends.
+					if i >= 20 {
+						select {
+						case <-stop:
+							return
+						default:
+						}
 					}
 					g := (i*7 + w*131) % n
 					reqs := []dedup.ClaimRequest{{Key: key(oldID(g)), Fingerprint: fpA}, {Key: key(oldID((g + 1) % n)), Fingerprint: fpA},
