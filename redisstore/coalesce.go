@@ -1,6 +1,7 @@
 package redisstore
 
 import (
+	"bytes"
 	"context"
 	"sync"
 	"time"
@@ -108,7 +109,9 @@ func (s *Store) completeCoalesced(ctx context.Context, c dedup.Claim, result []b
 		co.cur = b
 	}
 	i := len(b.items)
-	b.items = append(b.items, dedup.Completion{Claim: c, Result: result})
+	// A copy: the caller may reuse result once it returns, which it may
+	// do (its context ended) before the flush has read it.
+	b.items = append(b.items, dedup.Completion{Claim: c, Result: bytes.Clone(result)})
 	b.rets = append(b.rets, retention)
 	b.dropped = append(b.dropped, false)
 	co.mu.Unlock()

@@ -159,3 +159,61 @@ func TestCloseEndsFlushInFlight(t *testing.T) {
 		t.Fatalf("completion in flight at Close: %v, want ErrClosed or a store error", err)
 	}
 }
+
+// TestCompleteDoesNotRetainResult: once Complete has returned, the store
+// no longer reads the caller's result slice, as io.Writer must not retain
+// p. A caller that gives up while its batch is in flight (outcome unknown)
+// may reuse its buffer at once; the batch must still store the bytes the
+// call was given, not what the buffer holds later (another message's
+// result, which a duplicate would then be answered with). The victim's
+// item goes in the batch's second script call (another retention), whose
+// arguments are built after the first call's reply, which a frozen server
+// holds back.
+func TestCompleteDoesNotRetainResult(t *testing.T) {
+	srv := testenv.StartRedis(t, "")
+	s, err := Open(rueidis.ClientOption{InitAddress: srv.Addrs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	bg := context.Background()
+	first, victim := claimOne(t, s, "first"), claimOne(t, s, "victim")
+	fillSlots(s) // both slots held: the completions queue
+	errc := make(chan error, 2)
+	go func() { errc <- s.Complete(bg, first, []byte("one"), time.Hour) }()
+	waitQueued(t, s, 1)
+	buf := []byte("mine")
+	ctx, cancel := context.WithCancel(bg)
+	go func() { errc <- s.Complete(ctx, victim, buf, 2*time.Hour) }()
+	waitQueued(t, s, 2)
+	srv.Freeze()
+	thawed := false
+	defer func() {
+		if !thawed {
+			srv.Thaw()
+		}
+	}()
+	<-s.coalesce.sem // one slot given back: the batch is taken
+	waitFor(t, "the batch to be sent", func() bool { return queued(s) == 0 })
+	cancel()
+	var verr error
+	for verr == nil {
+		// The victim returns first (the other waits for the frozen server).
+		verr = <-errc
+	}
+	copy(buf, "EVIL") // the caller reuses its buffer
+	srv.Thaw()
+	thawed = true
+	if err := <-errc; err != nil {
+		t.Fatalf("first completion: %v", err)
+	}
+	<-s.coalesce.sem // the other slot fillSlots held
+	waitFor(t, "the batch to finish", func() bool { return flushesInFlight(s) == 0 })
+	d, err := s.Claim(bg, victim.Key, dedup.FingerprintOf([]byte("p")), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Outcome == dedup.Duplicate && string(d.Result) != "mine" {
+		t.Fatalf("stored result %q, want %q: the batch read the caller's buffer after Complete returned", d.Result, "mine")
+	}
+}

@@ -44,7 +44,8 @@
 // batches are on the wire, and the first caller to find a slot free sends
 // it (a lone call is sent at once; a caller whose context ends before its
 // batch is sent gets a not-applied error and its record stays in
-// progress). On a cluster the client
+// progress; one whose context ends after gets an error whose outcome is
+// unknown; a call still queued at Close gets ErrClosed and is not sent). On a cluster the client
 // splits a pipeline per node and slot and the replies come back in request
 // order.
 //
