@@ -54,6 +54,13 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"--processes", "2", "--broker", "nats"}, []string{"--processes", "simulated"}},
 		{[]string{"--processes", "2", "--kill-every", "-5"}, []string{"--kill-every"}},
 		{[]string{"--kill-every", "5"}, []string{"--kill-every", "--processes"}},
+		{[]string{"--durable", "postgres"}, []string{"--durable", "layered"}},
+		{[]string{"--store", "layered", "--durable", "mysql"}, []string{"--durable", "sqlite or postgres", `"mysql"`}},
+		{[]string{"--store", "layered", "--durable", "postgres", "--path", "x.db"}, []string{"--path", "PostgreSQL"}},
+		{[]string{"--store", "postgres", "--failover-every", "10"}, []string{"--failover-every", "redis or layered"}},
+		{[]string{"--store", "redis", "--failover-every", "10"}, []string{"--failover-every", "--addr", "replicas"}},
+		{[]string{"--store", "redis", "--addr", "a:1,b:2", "--failover-every", "-1"}, []string{"--failover-every"}},
+		{[]string{"--store", "redis", "--addr", "a:1,b:2", "--failover-every", "10", "--broker", "nats"}, []string{"--failover-every", "simulated"}},
 	} {
 		args := append([]string{"verify"}, tc.args...)
 		code, stdout, stderr := runArgs(t, args...)

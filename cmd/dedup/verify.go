@@ -39,6 +39,8 @@ type verifyFlags struct {
 	metrics string // --metrics-addr
 	procs   int
 	kills   int
+	durable string // --durable
+	fover   int    // --failover-every
 }
 
 const verifyAbout = `Usage: dedup verify [flags]
@@ -98,6 +100,17 @@ Processes:
   lease mode a process killed after its effect and before Complete
   applies that message twice: counted and reported, and it fails the run.
 
+Failover:
+  --failover-every N, for --store redis or layered on a Redis Cluster with
+  replicas (scripts/redis-cluster.sh start --replicas; --addr its nodes),
+  fails a master over every N deliveries, alternately by CLUSTER FAILOVER on
+  its replica (no acknowledged write lost) and by SIGKILL (the cluster
+  promotes the replica, which lacks what the master had not replicated
+  yet; the killed node is restarted and rejoins as a replica). The layered
+  store (--durable postgres: the PostgreSQL inbox decides) must still apply
+  every message exactly once. Redis alone may apply a message twice when
+  a killed master took its record along: counted, and it fails the run.
+
 Exit status: 0 when every message was applied exactly once, 1 on any
 violation (lost, applied twice, timeout) or failure, 2 on bad usage.
 
@@ -132,6 +145,8 @@ func newVerifyFlagSet(f *verifyFlags) *flag.FlagSet {
 	fs.BoolVar(&f.quiet, "quiet", false, "no progress on stderr")
 	fs.StringVar(&f.metrics, "metrics-addr", "", "serve the run's Prometheus metrics (dedupprom: claims, duplicates, decisions, broker and layer counts) on `host:port` at /metrics while it runs; port 0 picks one, printed on stderr")
 	fs.IntVar(&f.procs, "processes", 0, "run the consumers in `N` separate processes on one shared store (0: goroutines of this process); simulated broker only, not --store memory")
+	fs.StringVar(&f.durable, "durable", "sqlite", "for --store layered: the durable layer, sqlite (the inbox in --path or a temporary file) or postgres (pgstore's inbox on $DEDUP_POSTGRES_URL or "+verify.DefaultPostgresURL+"; --addr still names Redis)")
+	fs.IntVar(&f.fover, "failover-every", 0, "for --store redis or layered on a Redis Cluster with replicas (--addr): every `N` deliveries fail a master over, alternately by CLUSTER FAILOVER on its replica and by SIGKILL (the cluster promotes the replica; the killed node is restarted as a replica); 0: never")
 	fs.IntVar(&f.kills, "kill-every", 0, "with --processes: SIGKILL a worker process every `N` deliveries and start another (default: messages/5; 0: never)")
 	return fs
 }
@@ -203,6 +218,20 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 	if f.flush < 0 || (f.flush > 0 && b.Name != "layered") {
 		return f, b, badUsage("--flush-every applies only to --store layered and takes a count of deliveries >= 0, got %d", f.flush)
 	}
+	durableSet := false
+	fs.Visit(func(fl *flag.Flag) { durableSet = durableSet || fl.Name == "durable" })
+	if durableSet && b.Name != "layered" {
+		return f, b, badUsage("--durable applies only to --store layered")
+	}
+	if f.durable != "sqlite" && f.durable != "postgres" {
+		return f, b, badUsage("--durable must be sqlite or postgres, got %q", f.durable)
+	}
+	if f.durable == "postgres" && f.path != "" {
+		return f, b, badUsage("--path names a SQLite file; --durable postgres keeps its tables in PostgreSQL")
+	}
+	if err := checkFailover(&f, b); err != nil {
+		return f, b, err
+	}
 	if err := checkTimeout(f.timeout); err != nil {
 		return f, b, err
 	}
@@ -253,6 +282,24 @@ func parseVerify(args []string, stdout io.Writer) (verifyFlags, verify.Backend, 
 		return f, b, err
 	}
 	return f, b, nil
+}
+
+// checkFailover checks --failover-every: a Redis Cluster (several --addr
+// addresses) under the redis or layered store, with the simulated broker.
+func checkFailover(f *verifyFlags, b verify.Backend) error {
+	switch {
+	case f.fover == 0:
+		return nil
+	case f.fover < 0:
+		return badUsage("--failover-every must be 0 (never) or a count of deliveries, got %d", f.fover)
+	case b.Name != "redis" && b.Name != "layered":
+		return badUsage("--failover-every applies only to --store redis or layered (on a Redis Cluster), not --store %s", b.Name)
+	case f.broker != "simulated":
+		return badUsage("--failover-every runs with the simulated broker only, not --broker %s", f.broker)
+	case len(strings.Split(f.addr, ",")) < 2:
+		return badUsage("--failover-every needs a Redis Cluster with replicas: --addr with its nodes, comma-separated (scripts/redis-cluster.sh start --replicas: 127.0.0.1:7100,...,127.0.0.1:7105)")
+	}
+	return nil
 }
 
 // checkProcesses checks --processes and --kill-every and fills in the
@@ -350,7 +397,15 @@ func runVerify(args []string, stdout, stderr io.Writer) int {
 
 	opts := verify.OpenOptions{
 		Mode: verify.Mode(f.mode), Path: f.path, Addr: f.addr, FlushEvery: f.flush, Keep: f.keep,
-		Lease: f.cfg.Lease, Messages: f.cfg.Messages,
+		Lease: f.cfg.Lease, Messages: f.cfg.Messages, Durable: f.durable,
+	}
+	if f.fover > 0 {
+		fo, err := verify.NewClusterFailover(ctx, strings.Split(f.addr, ","))
+		if err != nil {
+			fmt.Fprintf(stderr, "dedup verify: --failover-every: %v\n", err)
+			return exitFail
+		}
+		f.cfg.Failover, f.cfg.FailoverEvery = fo.Step, f.fover
 	}
 	if f.procs > 0 {
 		return runVerifyProcesses(ctx, f, b, opts, stdout, stderr)
@@ -523,6 +578,13 @@ func writeSummary(w io.Writer, r *verify.Report) {
 		p("processes", "%d x %d consumers  (%d started, %d SIGKILLed mid-run with %d deliveries in flight)",
 			r.Processes, r.Consumers, r.ProcessStarts, r.ProcessKills, r.KilledDeliveries)
 	}
+	if r.FailoverEvery > 0 {
+		p("failovers", "%d by CLUSTER FAILOVER, %d masters SIGKILLed and promoted over  (one every %d deliveries)",
+			r.Failovers, r.MasterKills, r.FailoverEvery)
+		if r.FailoverErrors > 0 {
+			p("", "%d failover steps failed: %s", r.FailoverErrors, r.FailoverError)
+		}
+	}
 	p("deliveries", "%d  (%d broker duplicates, %d redeliveries)", r.Deliveries, r.BrokerDuplicates, r.Redeliveries)
 	p("effects", "%d  (ledger rows)", r.Effects)
 	p("duplicates skipped", "%d", r.DuplicatesSkipped)
@@ -574,6 +636,11 @@ func writeSummary(w io.Writer, r *verify.Report) {
 	if r.KillWindowDoubles > 0 {
 		fmt.Fprintf(w, "hint: in lease mode the effect is outside the store; a process killed between the effect and Complete\n"+
 			"      applies it again on the take-over. Only the inbox (--mode inbox) or an idempotent effect closes that window.\n")
+	}
+	if r.FailoverEvery > 0 && r.DoubleApplied > 0 && r.Store == "redis" {
+		fmt.Fprintf(w, "hint: Redis replicates asynchronously: a master killed before its replica had a claim or a completion\n"+
+			"      takes it along, and the redelivery is claimed again on the promoted replica (WithReplicaAck narrows\n"+
+			"      the window, it does not close it). The layered store (--store layered) keeps the durable record that decides.\n")
 	}
 	if r.LeasesLost > 0 && r.Mode == verify.LeaseMode {
 		fmt.Fprintf(w, "hint: %d consumers were still working when their lease (%s) ran out and another took the key over;\n"+

@@ -48,6 +48,10 @@ type OpenOptions struct {
 	// FlushEvery, for the layered store, flushes its fast store and empties
 	// its window every FlushEvery deliveries; 0 never.
 	FlushEvery int
+	// Durable is the durable layer of the layered store: "sqlite" (the
+	// default: the SQLite inbox in Path) or "postgres" (pgstore's inbox
+	// on $DEDUP_POSTGRES_URL or the loopback default, in Schema).
+	Durable string
 	// Keep keeps a temporary database file after Close.
 	Keep bool
 	// Lease is the claim lease of lease mode.
@@ -194,14 +198,23 @@ func openLayered(ctx context.Context, o OpenOptions) (Target, error) {
 		return nil, err
 	}
 	flush := func(ctx context.Context) error { return deletePrefix(ctx, fast.Client(), prefix) }
+	closeFast := func() error {
+		if o.Attach {
+			return fast.Close() // the keys are the parent's to delete
+		}
+		return errors.Join(deletePrefix(context.Background(), fast.Client(), prefix), fast.Close())
+	}
 	o.Mode = InboxMode
+	switch o.Durable {
+	case "", "sqlite":
+	case "postgres":
+		return openLayeredPostgres(ctx, o, win, fast, flush, closeFast)
+	default:
+		fast.Close()
+		return nil, fmt.Errorf("the layered store's durable layer is sqlite or postgres, not %q", o.Durable)
+	}
 	return openSQLiteWith(ctx, o, func(ctx context.Context, s *sqlitestore.Store) (Target, error) {
-		return NewLayeredInbox(ctx, "layered", s, win, fast, "redis", o.Lease, flush, o.FlushEvery, func() error {
-			if o.Attach {
-				return fast.Close() // the keys are the parent's to delete
-			}
-			return errors.Join(deletePrefix(context.Background(), fast.Client(), prefix), fast.Close())
-		})
+		return NewLayeredInbox(ctx, "layered", s, win, fast, "redis", o.Lease, flush, o.FlushEvery, closeFast)
 	})
 }
 
@@ -218,9 +231,10 @@ func deletePrefix(ctx context.Context, c rueidis.Client, prefix string) error {
 				break
 			}
 			for _, k := range e.Elements {
-				// One key per command: on a cluster each key may live in
-				// another slot.
-				if err := n.Do(ctx, n.B().Unlink().Key(k).Build()).Error(); err != nil {
+				// One key per command, through the cluster's routing: a
+				// key may live in another slot, and a replica's SCAN
+				// lists keys its master owns.
+				if err := c.Do(ctx, c.B().Unlink().Key(k).Build()).Error(); err != nil {
 					errs = append(errs, err)
 				}
 			}

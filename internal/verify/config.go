@@ -1,6 +1,7 @@
 package verify
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"time"
@@ -43,6 +44,15 @@ type Config struct {
 	Progress func(Progress)
 	// ProgressEvery defaults to 100ms.
 	ProgressEvery time.Duration
+	// Failover, if set, is called every FailoverEvery deliveries on a
+	// goroutine of its own, one call at a time (a call still under way
+	// when the next is due is not doubled up), to fail the store's
+	// servers over mid-run: [ClusterFailover.Step]. The run waits for a
+	// call under way before it reads the ledger. Simulated broker only
+	// ([Run] and [RunProcesses]).
+	Failover func(ctx context.Context) (FailoverKind, string, error)
+	// FailoverEvery is the number of deliveries between Failover calls.
+	FailoverEvery int
 }
 
 // DefaultConfig returns the configuration of `dedup verify` without flags.
@@ -88,6 +98,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Lease < time.Millisecond {
 		return fmt.Errorf("--lease must be at least 1ms, got %v", c.Lease)
+	}
+	if c.FailoverEvery < 0 || c.Failover != nil && c.FailoverEvery == 0 {
+		return fmt.Errorf("--failover-every must be a count of deliveries >= 1, got %d", c.FailoverEvery)
 	}
 	if c.ProgressEvery < 0 {
 		return fmt.Errorf("progress interval must not be negative, got %v", c.ProgressEvery)

@@ -30,17 +30,61 @@ type Flusher func(ctx context.Context) error
 // that only the durable inbox stands between a redelivery and a second
 // effect.
 type layeredInbox struct {
-	inner      InboxStore
-	lay        *layered.Store
-	win        *window.Window
-	fastName   string
-	flush      Flusher
-	flushEvery int64
-	closeFast  func() error
+	inner     InboxStore
+	lay       *layered.Store
+	win       *window.Window
+	fastName  string
+	flusher   *fastFlusher
+	closeFast func() error
+}
 
+// fastFlusher flushes a layered target's fast store and empties its window
+// every `every` deliveries (a failover together with a consumer restart).
+type fastFlusher struct {
+	flush     Flusher
+	every     int64
+	win       *window.Window
 	delivered atomic.Int64
-	flushMu   sync.Mutex
+	mu        sync.Mutex
 	flushes   int
+}
+
+// tick counts one delivery and flushes when it is due.
+func (f *fastFlusher) tick(ctx context.Context) {
+	if n := f.delivered.Add(1); f.flush == nil || f.every <= 0 || n%f.every != 0 {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.flush(ctx); err == nil {
+		f.flushes++
+	}
+	if f.win != nil {
+		f.win.Reset()
+	}
+}
+
+func (f *fastFlusher) count() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.flushes
+}
+
+// layerCounts reports what each layer of lay caught.
+func layerCounts(lay *layered.Store, win *window.Window, fastName string) map[string]int64 {
+	st := lay.Stats()
+	m := map[string]int64{"durable": st.Durable}
+	if win != nil {
+		m["window"] = st.Window
+		if st.Bloom > 0 {
+			m["bloom"] = st.Bloom
+		}
+	}
+	if fastName != "" {
+		m[fastName] = st.Fast
+		m[fastName+"_errors"] = st.FastErrors
+	}
+	return m
 }
 
 // NewLayeredInbox returns an inbox-mode target named name: window (may be
@@ -64,8 +108,8 @@ func NewLayeredInbox(ctx context.Context, name string, inner InboxStore, win *wi
 	if err != nil {
 		return nil, err
 	}
-	l := &layeredInbox{inner: inner, lay: lay, win: win, fastName: fastName, flush: flush,
-		flushEvery: int64(flushEvery), closeFast: closeFast}
+	l := &layeredInbox{inner: inner, lay: lay, win: win, fastName: fastName, closeFast: closeFast,
+		flusher: &fastFlusher{flush: flush, every: int64(flushEvery), win: win}}
 	t, err := NewInbox(ctx, name, l)
 	if err != nil {
 		return nil, err
@@ -77,16 +121,7 @@ func NewLayeredInbox(ctx context.Context, name string, inner InboxStore, win *wi
 // RunInbox implements InboxStore through the layers.
 func (l *layeredInbox) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, ret time.Duration,
 	h func(ctx context.Context, tx *sql.Tx) ([]byte, error)) (dedup.Claim, error) {
-	if n := l.delivered.Add(1); l.flush != nil && l.flushEvery > 0 && n%l.flushEvery == 0 {
-		l.flushMu.Lock()
-		if err := l.flush(ctx); err == nil {
-			l.flushes++
-		}
-		if l.win != nil {
-			l.win.Reset()
-		}
-		l.flushMu.Unlock()
-	}
+	l.flusher.tick(ctx)
 	return l.lay.RunInbox(ctx, key, fp, ret, func(ctx context.Context) (dedup.Claim, error) {
 		return l.inner.RunInbox(ctx, key, fp, ret, h)
 	})
@@ -106,19 +141,5 @@ func (l *layeredInbox) Close() error {
 
 // LayerStats reports what each layer caught.
 func (l *layeredInbox) LayerStats() (map[string]int64, int) {
-	st := l.lay.Stats()
-	m := map[string]int64{"durable": st.Durable}
-	if l.win != nil {
-		m["window"] = st.Window
-		if st.Bloom > 0 {
-			m["bloom"] = st.Bloom
-		}
-	}
-	if l.fastName != "" {
-		m[l.fastName] = st.Fast
-		m[l.fastName+"_errors"] = st.FastErrors
-	}
-	l.flushMu.Lock()
-	defer l.flushMu.Unlock()
-	return m, l.flushes
+	return layerCounts(l.lay, l.win, l.fastName), l.flusher.count()
 }

@@ -108,6 +108,14 @@ func (t *pgTarget) Path() string {
 	return where + "; drop it with DROP SCHEMA " + t.schema + " CASCADE)"
 }
 
+// LayerStats passes on the layer counts of a layered target.
+func (t *pgTarget) LayerStats() (map[string]int64, int) {
+	if ls, ok := t.Target.(LayerReporter); ok {
+		return ls.LayerStats()
+	}
+	return nil, 0
+}
+
 // Close closes the store and drops the run's schema unless it is kept.
 func (t *pgTarget) Close() error {
 	var err error
@@ -158,7 +166,14 @@ func (t *pgInboxTarget) Apply(ctx context.Context, d Delivery) Result {
 	if t.mode == ApplyMode {
 		return t.pipelined(ctx, d)
 	}
-	c, err := t.store.RunInbox(ctx, d.Key, d.Fingerprint, retention, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+	c, err := t.runInbox(ctx, d)
+	return inboxResult(c, err, d)
+}
+
+// runInbox runs one delivery in the store's inbox transaction: the ledger
+// insert, with the delivery's fault.
+func (t *pgInboxTarget) runInbox(ctx context.Context, d Delivery) (dedup.Claim, error) {
+	return t.store.RunInbox(ctx, d.Key, d.Fingerprint, retention, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
 		if d.Fault == HandlerFailure {
 			return nil, errHandler
 		}
@@ -170,7 +185,6 @@ func (t *pgInboxTarget) Apply(ctx context.Context, d Delivery) Result {
 		}
 		return nil, nil
 	})
-	return inboxResult(c, err, d)
 }
 
 // pipelined runs one delivery through Store.Apply.

@@ -216,7 +216,7 @@ func RunProcesses(ctx context.Context, cfg Config, backend Backend, o OpenOption
 	if backend.UsesPath && o.Path == "" {
 		o.Path = filepath.Join(dir, "verify.db")
 	}
-	if o.Schema == "" && backend.Name == "postgres" {
+	if o.Schema == "" && (backend.Name == "postgres" || backend.Name == "layered" && o.Durable == "postgres") {
 		o.Schema = fmt.Sprintf("dedup_verify_%012x", rand.Uint64()>>16)
 	}
 	if o.RedisPrefix == "" && backend.Name == "layered" {

@@ -56,6 +56,18 @@ type Report struct {
 	ProcessKills     int `json:"process_kills,omitempty"`
 	ProcessStarts    int `json:"process_starts,omitempty"`
 	KilledDeliveries int `json:"killed_deliveries,omitempty"`
+	// Failovers counts the manual failovers (CLUSTER FAILOVER on a
+	// replica) and MasterKills the masters SIGKILLed, promoted over and
+	// restarted as replicas, that Config.Failover did mid-run;
+	// FailoverErrors the steps that failed (the first in FailoverError),
+	// which fail the run: it did not test what it says.
+	Failovers      int    `json:"failovers,omitempty"`
+	MasterKills    int    `json:"master_kills,omitempty"`
+	FailoverErrors int    `json:"failover_errors,omitempty"`
+	FailoverError  string `json:"failover_error,omitempty"`
+	// FailoverEvery is Config.FailoverEvery of a run that failed its
+	// store over (0: none).
+	FailoverEvery int `json:"failover_every,omitempty"`
 	// ConnectionDrops counts the broker connections cut mid-run
 	// (RunAMQP's DropEvery).
 	ConnectionDrops int `json:"connection_drops,omitempty"`
@@ -122,6 +134,11 @@ func (r *Report) Violations() []string {
 	}
 	if r.Conflicts > 0 {
 		v = append(v, fmt.Sprintf("%d fingerprint conflicts on identical copies", r.Conflicts))
+	}
+	if r.FailoverErrors > 0 {
+		v = append(v, fmt.Sprintf("%d failover steps failed (first: %s)", r.FailoverErrors, r.FailoverError))
+	} else if r.FailoverEvery > 0 && r.Failovers+r.MasterKills == 0 {
+		v = append(v, "no failover happened during the run (lower --failover-every or raise --messages)")
 	}
 	if r.TimedOut {
 		v = append(v, fmt.Sprintf("timed out with %d messages unfinished", r.Unfinished))

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/dedupkit/dedup"
@@ -109,6 +110,7 @@ func (b *broker) conclude(ctx context.Context, t Target, stopped bool) (Report, 
 		return *rep, fmt.Errorf("verify: check the ledger: %w", err)
 	}
 	b.judge(effects)
+	b.failover.report(rep)
 	if ls, ok := t.(LayerReporter); ok {
 		rep.Layers, rep.Flushes = ls.LayerStats()
 	}
@@ -142,16 +144,18 @@ type broker struct {
 	ready   fifo
 	delayed delayHeap
 
-	report Report
+	report   Report
+	failover *failoverRunner
 }
 
 func newBroker(cfg Config, prefix string) *broker {
 	return &broker{
-		cfg:     cfg,
-		prefix:  prefix,
-		rng:     rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)),
-		start:   time.Now(),
-		pending: make([]int32, cfg.Messages),
+		cfg:      cfg,
+		failover: newFailoverRunner(cfg),
+		prefix:   prefix,
+		rng:      rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15)),
+		start:    time.Now(),
+		pending:  make([]int32, cfg.Messages),
 	}
 }
 
@@ -183,6 +187,8 @@ func (b *broker) parseMsgID(id string) (int, bool) {
 // reports as stopped. It closes out when it returns.
 func (b *broker) loop(ctx context.Context, out chan<- Delivery, results <-chan settled) (stopped bool) {
 	defer close(out)
+	// A failover under way ends before the ledger is read.
+	defer b.failover.wait()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	defer timer.Stop()
@@ -216,6 +222,7 @@ func (b *broker) loop(ctx context.Context, out chan<- Delivery, results <-chan s
 		case send <- head:
 			b.ready.pop()
 			b.report.Deliveries++
+			b.failover.due(ctx, b.report.Deliveries)
 		case r := <-results:
 			b.settle(r, true)
 		case <-wake:
@@ -437,4 +444,68 @@ func (h *delayHeap) Pop() any {
 	x := old[len(old)-1]
 	*h = old[:len(old)-1]
 	return x
+}
+
+// failoverRunner calls Config.Failover every FailoverEvery deliveries, one
+// call at a time, and counts what the calls did. A nil runner does
+// nothing.
+type failoverRunner struct {
+	every int
+	step  func(ctx context.Context) (FailoverKind, string, error)
+	busy  atomic.Bool
+	wg    sync.WaitGroup
+
+	mu       sync.Mutex
+	manual   int
+	kills    int
+	errs     int
+	firstErr string
+}
+
+func newFailoverRunner(cfg Config) *failoverRunner {
+	if cfg.Failover == nil || cfg.FailoverEvery <= 0 {
+		return nil
+	}
+	return &failoverRunner{every: cfg.FailoverEvery, step: cfg.Failover}
+}
+
+// due starts a step when the count of deliveries says so and no step is
+// under way.
+func (f *failoverRunner) due(ctx context.Context, deliveries int) {
+	if f == nil || deliveries%f.every != 0 || !f.busy.CompareAndSwap(false, true) {
+		return
+	}
+	f.wg.Go(func() {
+		defer f.busy.Store(false)
+		kind, node, err := f.step(ctx)
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		switch {
+		case err != nil:
+			f.errs++
+			if f.firstErr == "" {
+				f.firstErr = fmt.Sprintf("%s of %s: %v", kind, node, err)
+			}
+		case kind == MasterKill:
+			f.kills++
+		default:
+			f.manual++
+		}
+	})
+}
+
+func (f *failoverRunner) wait() {
+	if f != nil {
+		f.wg.Wait()
+	}
+}
+
+func (f *failoverRunner) report(r *Report) {
+	if f == nil {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	r.FailoverEvery = f.every
+	r.Failovers, r.MasterKills, r.FailoverErrors, r.FailoverError = f.manual, f.kills, f.errs, f.firstErr
 }
