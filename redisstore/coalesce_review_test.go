@@ -3,6 +3,8 @@ package redisstore
 import (
 	"context"
 	"errors"
+	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -215,5 +217,64 @@ func TestCompleteDoesNotRetainResult(t *testing.T) {
 	}
 	if d.Outcome == dedup.Duplicate && string(d.Result) != "mine" {
 		t.Fatalf("stored result %q, want %q: the batch read the caller's buffer after Complete returned", d.Result, "mine")
+	}
+}
+
+// TestCompleteCoalescedAcrossSlots: on a cluster, completions of keys in
+// many hash slots that queue into one batch each complete (the batch is
+// split by slot: no CROSSSLOT), each caller gets its own key's answer (a
+// stale token among them is lease lost, the rest done), and every record
+// holds its own result.
+func TestCompleteCoalescedAcrossSlots(t *testing.T) {
+	addrs := testenv.Addrs(t, "DEDUP_REDIS_CLUSTER_ADDRS", "127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002",
+		"Redis Cluster (start it with scripts/redis-cluster.sh start)")
+	s, err := Open(rueidis.ClientOption{InitAddress: addrs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	bg := context.Background()
+	fp := dedup.FingerprintOf([]byte("p"))
+	scope := "rev1-slots-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	const n = 48
+	claims := make([]dedup.Claim, n)
+	slots := map[uint16]bool{}
+	for i := range claims {
+		k := dedup.Key{Scope: scope, ID: strconv.Itoa(i)}
+		c, err := s.Claim(bg, k, fp, time.Minute)
+		if err != nil || c.Outcome != dedup.Acquired {
+			t.Fatalf("claim %d: %v %v", i, c.Outcome, err)
+		}
+		claims[i] = c
+		slots[slot(s.RedisKey(k))] = true
+	}
+	if len(slots) < 2 {
+		t.Fatalf("keys in %d slots, want several", len(slots))
+	}
+	stale := claims[7]
+	stale.Token[0] ^= 0xff // another token: lease lost
+	release := fillSlots(s)
+	errs := make([]error, n+1)
+	var wg sync.WaitGroup
+	for i := range claims {
+		wg.Go(func() { errs[i] = s.Complete(bg, claims[i], []byte("r"+strconv.Itoa(i)), time.Hour) })
+	}
+	wg.Go(func() { errs[n] = s.Complete(bg, stale, []byte("stale"), time.Hour) })
+	waitQueued(t, s, n+1)
+	release()
+	wg.Wait()
+	for i, err := range errs[:n] {
+		if err != nil {
+			t.Fatalf("completion %d: %v", i, err)
+		}
+	}
+	if !errors.Is(errs[n], dedup.ErrLeaseLost) {
+		t.Fatalf("stale token: %v, want lease lost", errs[n])
+	}
+	for i, c := range claims {
+		d, err := s.Claim(bg, c.Key, fp, time.Minute)
+		if err != nil || d.Outcome != dedup.Duplicate || string(d.Result) != "r"+strconv.Itoa(i) {
+			t.Fatalf("key %d after: %v %q %v", i, d.Outcome, d.Result, err)
+		}
 	}
 }
