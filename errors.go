@@ -106,12 +106,18 @@ func (e *StoreError) SafeToRetry() bool { return e.NotApplied }
 // operation was refused by a passing condition and may be retried at once
 // (see StoreError.Transient).
 func IsTransient(err error) bool {
+	if err == nil {
+		return false // no errors.As: its target would escape, an allocation a call
+	}
 	var se *StoreError
 	return errors.As(err, &se) && se.Transient
 }
 
 // IsStoreError reports whether err is or wraps a [*StoreError].
 func IsStoreError(err error) bool {
+	if err == nil {
+		return false
+	}
 	var se *StoreError
 	return errors.As(err, &se)
 }

@@ -347,6 +347,7 @@ func (r *Runner) run(ctx context.Context, c Claim, h Handler, ch ClaimHandler) (
 	defer cancel(nil)
 	done := make(chan struct{})
 	stopped := make(chan struct{})
+	hc := c // the goroutine's copy: c stays off the heap when there is no heartbeat
 	go func() {
 		defer close(stopped)
 		t := time.NewTicker(r.cfg.heartbeat)
@@ -358,7 +359,7 @@ func (r *Runner) run(ctx context.Context, c Claim, h Handler, ch ClaimHandler) (
 			case <-hctx.Done():
 				return
 			case <-t.C:
-				if _, err := ext.Extend(hctx, c, r.cfg.lease); errors.Is(err, ErrLeaseLost) {
+				if _, err := ext.Extend(hctx, hc, r.cfg.lease); errors.Is(err, ErrLeaseLost) {
 					cancel(ErrLeaseLost)
 					return
 				}

@@ -56,3 +56,17 @@ func FuzzEnvelope(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkNewMessage is the envelope's cost a record (the adapter's
+// per-record work besides the processor), with a message ID header and a
+// record key.
+func BenchmarkNewMessage(b *testing.B) {
+	r := &kgo.Record{Topic: "orders", Partition: 3, Offset: 1234567, Key: []byte("k17"), Value: make([]byte, 128),
+		Headers: []kgo.RecordHeader{{Key: HeaderMsgID, Value: []byte("orders-1234567")}}}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := newMessage(r, 1); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
