@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/memstore"
 	"github.com/dedupkit/dedup/redisstore"
 	"github.com/dedupkit/dedup/sqlitestore"
@@ -197,53 +198,88 @@ func openLayered(ctx context.Context, o OpenOptions) (Target, error) {
 		fast.Close()
 		return nil, err
 	}
-	flush := func(ctx context.Context) error { return deletePrefix(ctx, fast.Client(), prefix) }
+	keys := newRunKeys(fast, prefix)
 	closeFast := func() error {
 		if o.Attach {
 			return fast.Close() // the keys are the parent's to delete
 		}
-		return errors.Join(deletePrefix(context.Background(), fast.Client(), prefix), fast.Close())
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		return errors.Join(keys.drop(ctx), fast.Close())
 	}
 	o.Mode = InboxMode
 	switch o.Durable {
 	case "", "sqlite":
 	case "postgres":
-		return openLayeredPostgres(ctx, o, win, fast, flush, closeFast)
+		return openLayeredPostgres(ctx, o, win, fast, keys.flush, closeFast, keys.track)
 	default:
 		fast.Close()
 		return nil, fmt.Errorf("the layered store's durable layer is sqlite or postgres, not %q", o.Durable)
 	}
 	return openSQLiteWith(ctx, o, func(ctx context.Context, s *sqlitestore.Store) (Target, error) {
-		return NewLayeredInbox(ctx, "layered", s, win, fast, "redis", o.Lease, flush, o.FlushEvery, closeFast)
+		return NewLayeredInbox(ctx, "layered", s, win, fast, "redis", o.Lease, keys.flush, o.FlushEvery, closeFast, keys.track)
 	})
 }
 
-// deletePrefix deletes every key that starts with prefix on every node:
-// the key loss of a FLUSHALL or a failover, limited to one run's keys.
-func deletePrefix(ctx context.Context, c rueidis.Client, prefix string) error {
-	var errs []error
-	for _, n := range c.Nodes() {
-		var cursor uint64
-		for {
-			e, err := n.Do(ctx, n.B().Scan().Cursor(cursor).Match(prefix+"*").Count(1000).Build()).AsScanEntry()
-			if err != nil {
-				errs = append(errs, err)
-				break
-			}
+// runKeys is the set of Redis keys one run's layered store may have
+// written, kept in Redis (a set under the run's prefix, so that every
+// process of a --processes run adds to it and a killed worker's keys are
+// in it too): a flush deletes those keys and nothing else, in time bounded
+// by the run's own keys. (It used to SCAN the whole keyspace for the
+// prefix, which took about 50 s on a shared Redis that held millions of
+// other keys.) A key is added before the fast store can write it; the set
+// is never trimmed during the run, so a key written after a flush read
+// the set is still deleted by the next flush and at the end.
+type runKeys struct {
+	fast  *redisstore.Store
+	index string
+}
+
+func newRunKeys(fast *redisstore.Store, prefix string) *runKeys {
+	// Store keys start with the prefix and a digit (RedisKey): no store
+	// key can be this one.
+	return &runKeys{fast: fast, index: prefix + "keys"}
+}
+
+func (r *runKeys) track(ctx context.Context, k dedup.Key) error {
+	c := r.fast.Client()
+	return c.Do(ctx, c.B().Sadd().Key(r.index).Member(r.fast.RedisKey(k)).Build()).Error()
+}
+
+// flush deletes every key in the set, 500 per pipelined round trip (on a
+// cluster the client sends each UNLINK to its key's node).
+func (r *runKeys) flush(ctx context.Context) error {
+	c := r.fast.Client()
+	var cursor uint64
+	for {
+		e, err := c.Do(ctx, c.B().Sscan().Key(r.index).Cursor(cursor).Count(500).Build()).AsScanEntry()
+		if err != nil {
+			return err
+		}
+		if len(e.Elements) > 0 {
+			cmds := make(rueidis.Commands, 0, len(e.Elements))
 			for _, k := range e.Elements {
-				// One key per command, through the cluster's routing: a
-				// key may live in another slot, and a replica's SCAN
-				// lists keys its master owns.
-				if err := c.Do(ctx, c.B().Unlink().Key(k).Build()).Error(); err != nil {
-					errs = append(errs, err)
+				cmds = append(cmds, c.B().Unlink().Key(k).Build())
+			}
+			for _, res := range c.DoMulti(ctx, cmds...) {
+				if err := res.Error(); err != nil {
+					return err
 				}
 			}
-			if cursor = e.Cursor; cursor == 0 {
-				break
-			}
+		}
+		if cursor = e.Cursor; cursor == 0 {
+			return nil
 		}
 	}
-	return errors.Join(errs...)
+}
+
+// drop deletes the run's keys and the set.
+func (r *runKeys) drop(ctx context.Context) error {
+	if err := r.flush(ctx); err != nil {
+		return err
+	}
+	c := r.fast.Client()
+	return c.Do(ctx, c.B().Unlink().Key(r.index).Build()).Error()
 }
 
 func openSQLite(ctx context.Context, o OpenOptions) (Target, error) {

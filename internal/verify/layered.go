@@ -47,21 +47,29 @@ type fastFlusher struct {
 	delivered atomic.Int64
 	mu        sync.Mutex
 	flushes   int
+	// track, when not nil, is told each key before the fast store may
+	// write it, so that flush can find the keys; its error fails the
+	// delivery.
+	track func(context.Context, dedup.Key) error
 }
 
-// tick counts one delivery and flushes when it is due.
-func (f *fastFlusher) tick(ctx context.Context) {
-	if n := f.delivered.Add(1); f.flush == nil || f.every <= 0 || n%f.every != 0 {
-		return
+// tick counts one delivery of key, flushes when it is due and then
+// tracks key.
+func (f *fastFlusher) tick(ctx context.Context, key dedup.Key) error {
+	if n := f.delivered.Add(1); f.flush != nil && f.every > 0 && n%f.every == 0 {
+		f.mu.Lock()
+		if err := f.flush(ctx); err == nil {
+			f.flushes++
+		}
+		if f.win != nil {
+			f.win.Reset()
+		}
+		f.mu.Unlock()
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if err := f.flush(ctx); err == nil {
-		f.flushes++
+	if f.track != nil {
+		return f.track(ctx, key)
 	}
-	if f.win != nil {
-		f.win.Reset()
-	}
+	return nil
 }
 
 func (f *fastFlusher) count() int {
@@ -90,13 +98,16 @@ func layerCounts(lay *layered.Store, win *window.Window, fastName string) map[st
 // NewLayeredInbox returns an inbox-mode target named name: window (may be
 // nil) -> fast store (may be nil) -> inner's inbox. With flush set and
 // flushEvery > 0 it flushes the fast store every flushEvery deliveries.
-// Close closes inner and calls closeFast.
+// Close closes inner and calls closeFast. track, when not nil, is told
+// each key before the fast store may write it (so that flush can find
+// the keys); its error fails the delivery.
 //
 // lease is the fast-store lease held while the durable transaction runs. It
 // may be short: if it runs out, another consumer gets past the fast store
 // and waits on the durable store's row instead, which still decides.
 func NewLayeredInbox(ctx context.Context, name string, inner InboxStore, win *window.Window, fast dedup.Store,
-	fastName string, lease time.Duration, flush Flusher, flushEvery int, closeFast func() error) (*InboxTarget, error) {
+	fastName string, lease time.Duration, flush Flusher, flushEvery int, closeFast func() error,
+	track func(context.Context, dedup.Key) error) (*InboxTarget, error) {
 	opts := []layered.Option{layered.WithInboxLease(lease)}
 	if win != nil {
 		opts = append(opts, layered.WithWindow(win))
@@ -109,7 +120,7 @@ func NewLayeredInbox(ctx context.Context, name string, inner InboxStore, win *wi
 		return nil, err
 	}
 	l := &layeredInbox{inner: inner, lay: lay, win: win, fastName: fastName, closeFast: closeFast,
-		flusher: &fastFlusher{flush: flush, every: int64(flushEvery), win: win}}
+		flusher: &fastFlusher{flush: flush, every: int64(flushEvery), win: win, track: track}}
 	t, err := NewInbox(ctx, name, l)
 	if err != nil {
 		return nil, err
@@ -121,7 +132,9 @@ func NewLayeredInbox(ctx context.Context, name string, inner InboxStore, win *wi
 // RunInbox implements InboxStore through the layers.
 func (l *layeredInbox) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, ret time.Duration,
 	h func(ctx context.Context, tx *sql.Tx) ([]byte, error)) (dedup.Claim, error) {
-	l.flusher.tick(ctx)
+	if err := l.flusher.tick(ctx, key); err != nil {
+		return dedup.Claim{}, err
+	}
 	return l.lay.RunInbox(ctx, key, fp, ret, func(ctx context.Context) (dedup.Claim, error) {
 		return l.inner.RunInbox(ctx, key, fp, ret, h)
 	})

@@ -17,7 +17,7 @@ import (
 // $DEDUP_POSTGRES_URL or the loopback default, in a schema of the run's
 // own (o.Schema) that holds the dedup tables and the ledger.
 func openLayeredPostgres(ctx context.Context, o OpenOptions, win *window.Window, fast *redisstore.Store,
-	flush Flusher, closeFast func() error) (Target, error) {
+	flush Flusher, closeFast func() error, track func(context.Context, dedup.Key) error) (Target, error) {
 	po := o
 	po.Addr, po.Mode = "", InboxMode
 	t, err := openPostgres(ctx, po)
@@ -34,7 +34,7 @@ func openLayeredPostgres(ctx context.Context, o OpenOptions, win *window.Window,
 		return nil, errors.Join(err, closeFast(), pt.Close())
 	}
 	pt.Target = &pgLayeredTarget{inner: pt.Target.(*pgInboxTarget), lay: lay, win: win, closeFast: closeFast,
-		flusher: &fastFlusher{flush: flush, every: int64(o.FlushEvery), win: win}}
+		flusher: &fastFlusher{flush: flush, every: int64(o.FlushEvery), win: win, track: track}}
 	return pt, nil
 }
 
@@ -57,10 +57,13 @@ func (t *pgLayeredTarget) Mode() Mode { return InboxMode }
 
 // Apply runs one delivery through the layers.
 func (t *pgLayeredTarget) Apply(ctx context.Context, d Delivery) Result {
-	t.flusher.tick(ctx)
-	c, err := t.lay.RunInbox(ctx, d.Key, d.Fingerprint, retention, func(ctx context.Context) (dedup.Claim, error) {
-		return t.inner.runInbox(ctx, d)
-	})
+	var c dedup.Claim
+	err := t.flusher.tick(ctx, d.Key)
+	if err == nil {
+		c, err = t.lay.RunInbox(ctx, d.Key, d.Fingerprint, retention, func(ctx context.Context) (dedup.Claim, error) {
+			return t.inner.runInbox(ctx, d)
+		})
+	}
 	var ipe *dedup.InProgressError
 	switch {
 	case errors.As(err, &ipe):
