@@ -415,6 +415,13 @@ func BenchmarkFloors(b *testing.B) {
 expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key))`); err != nil {
 		b.Fatal(err)
 	}
+	// A second PostgreSQL floor, the statements of b5dccf7's corrected floor
+	// (a one-column key, completion by = ANY), so that both floors run in
+	// one process.
+	anyTable := pgx.Identifier{schema, "floor_any"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+anyTable+` (key text PRIMARY KEY, state text NOT NULL, expires_at timestamptz NOT NULL)`); err != nil {
+		b.Fatal(err)
+	}
 	pgClean := func(b *testing.B, table string) {
 		if _, err := pool.Exec(ctx, `TRUNCATE `+table); err != nil {
 			b.Fatal(err)
@@ -453,6 +460,14 @@ SELECT 'bench', k, 'pending', now() + interval '1 hour' FROM unnest($1::text[]) 
 FROM unnest($1::text[]) k WHERE f.scope = 'bench' AND f.key = k`, pgx.QueryExecModeExec, ids)
 		return err
 	}
+	pgClaimAny := func(ctx context.Context, ids []string) error {
+		_, err := pool.Exec(ctx, `INSERT INTO `+anyTable+` (key, state, expires_at) SELECT k, 'pending', now() + interval '1 hour' FROM unnest($1::text[]) k ON CONFLICT DO NOTHING`, pgx.QueryExecModeExec, ids)
+		return err
+	}
+	pgCompleteAny := func(ctx context.Context, ids []string) error {
+		_, err := pool.Exec(ctx, `UPDATE `+anyTable+` SET state = 'done' WHERE key = ANY($1::text[])`, pgx.QueryExecModeExec, ids)
+		return err
+	}
 	mem := func(b *testing.B) dedup.Store {
 		s, err := memstore.New()
 		if err != nil {
@@ -482,12 +497,16 @@ FROM unnest($1::text[]) k WHERE f.scope = 'bench' AND f.key = k`, pgx.QueryExecM
 			defer pgClean(b, floorTable)
 			return floorConsume(b, seeds, groupOpts, storeBenchRecords, batch, pgClaim, pgComplete)
 		}},
+		{"pg-floor-any", func(b *testing.B) float64 {
+			defer pgClean(b, anyTable)
+			return floorConsume(b, seeds, groupOpts, storeBenchRecords, batch, pgClaimAny, pgCompleteAny)
+		}},
 		{"pg", func(b *testing.B) float64 {
 			defer pgClean(b, ps.Tables().Records)
 			return oursConsume(b, seeds, groupOpts, storeBenchRecords, batch, ps)
 		}},
 	}
-	benchRotate(b, cases, map[string]string{"mem": "mem-floor", "mem-batch100": "mem-floor", "redis": "redis-floor", "pg": "pg-floor"})
+	benchRotate(b, cases, map[string]string{"mem": "mem-floor", "mem-batch100": "mem-floor", "redis": "redis-floor", "pg": "pg-floor", "pg-floor-any": "pg-floor"})
 }
 
 // BenchmarkRelay publishes 20,000 PostgreSQL outbox rows (200-byte
