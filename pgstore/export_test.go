@@ -29,7 +29,7 @@ RETURNING u.o`
 func MigrateTo(ctx context.Context, s *Store, v int) (MigrateResult, error) { return s.migrate(ctx, v) }
 
 // EncodeID and DecodeID are encodeID and decodeID, FingerprintDigest is
-// fpDigest: tests compare them with the SQL functions of migration 0006.
+// fpDigest: tests compare them with the SQL functions of migrations 0006 and 0007.
 var (
 	EncodeID          = encodeID
 	DecodeID          = decodeID

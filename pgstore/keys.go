@@ -91,43 +91,19 @@ func formatUUID(b []byte) string {
 }
 
 // fpDigest returns the stored form of a fingerprint: empty for the empty
-// fingerprint ("not checked"); for one made by dedup.FingerprintOf
-// ("sha256:" and 64 lower-case hex digits) the first 16 bytes of the
-// digest it spells; for any other, the first 16 bytes of the SHA-256 of
-// its text. The store only compares fingerprints for equality: two
-// different fingerprints share a stored form only by a 128-bit collision
-// of SHA-256 (the same bound as truncating any 256-bit digest), and the
-// common case costs a hex decode instead of a hash.
+// fingerprint ("not checked"), otherwise the first 16 bytes of the
+// SHA-256 of its whole text (the SQL function fp_digest of migration
+// 0007). The store only compares fingerprints for equality: two different
+// fingerprints share a stored form only by a 128-bit collision of
+// SHA-256, whoever made them. (Decoding the digest a "sha256:" fingerprint
+// spells, as version 6 did, stored two fingerprints that differ only in
+// their last 32 digits alike: TestFingerprintDifferentLateIsMismatch.)
 func fpDigest(fp dedup.Fingerprint) []byte {
 	if fp == "" {
 		return []byte{}
 	}
-	if d, ok := sha256Prefix(string(fp)); ok {
-		return d
-	}
 	sum := sha256.Sum256([]byte(fp))
 	return sum[:16]
-}
-
-// sha256Prefix decodes the first 16 bytes of a "sha256:" fingerprint of
-// 64 lower-case hex digits.
-func sha256Prefix(fp string) ([]byte, bool) {
-	const tag = "sha256:"
-	if len(fp) != len(tag)+64 || fp[:len(tag)] != tag {
-		return nil, false
-	}
-	for i := len(tag); i < len(fp); i++ {
-		if _, ok := fromHex(fp[i]); !ok {
-			return nil, false
-		}
-	}
-	d := make([]byte, 16)
-	for i := range d {
-		hi, _ := fromHex(fp[len(tag)+2*i])
-		lo, _ := fromHex(fp[len(tag)+2*i+1])
-		d[i] = hi<<4 | lo
-	}
-	return d, true
 }
 
 // recordFingerprint returns the fingerprint a record with stored digest d
