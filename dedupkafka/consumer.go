@@ -36,12 +36,35 @@ type Consumer struct {
 	parts   map[tp]*part
 	crashed atomic.Bool
 
-	running  atomic.Bool
-	closing  chan struct{}
-	closeOne sync.Once
-	done     chan struct{}
+	lifecycle
 
 	st consumerStats
+}
+
+// lifecycle is what Consumer and Transactor share about Run and Close: Run
+// runs at most once, Close asks it to end and waits for it, and a Close
+// before any Run releases the client itself and makes a later Run return.
+type lifecycle struct {
+	running  atomic.Bool
+	closing  chan struct{} // closed by the first Close
+	closeOne sync.Once
+	done     chan struct{} // closed when Run has returned, or by a Close before Run
+}
+
+func newLifecycle() lifecycle {
+	return lifecycle{closing: make(chan struct{}), done: make(chan struct{})}
+}
+
+// stop asks Run to end and waits for it; if Run never started, it marks
+// the lifecycle as run and done and calls release (the client's Close).
+func (l *lifecycle) stop(release func()) {
+	l.closeOne.Do(func() { close(l.closing) })
+	if l.running.Load() {
+		<-l.done
+	} else if l.running.CompareAndSwap(false, true) {
+		close(l.done)
+		release()
+	}
 }
 
 type tp struct {
@@ -115,7 +138,7 @@ func NewConsumer(brokers []string, group string, topics []string, p *consumer.Pr
 		return nil, err
 	}
 	c := &Consumer{p: p, cfg: cfg, group: group, topics: slices.Clone(topics), parts: map[tp]*part{},
-		closing: make(chan struct{}), done: make(chan struct{})}
+		lifecycle: newLifecycle()}
 	kopts := append(slices.Clone(cfg.kopts),
 		kgo.SeedBrokers(brokers...),
 		kgo.ConsumerGroup(group),
@@ -199,13 +222,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 // Close stops Run, waits for it to commit and leave the group, and closes
 // the client. It is safe to call more than once.
 func (c *Consumer) Close() error {
-	c.closeOne.Do(func() { close(c.closing) })
-	if c.running.Load() {
-		<-c.done
-	} else if c.running.CompareAndSwap(false, true) {
-		close(c.done)
-		c.cl.Close()
-	}
+	c.stop(func() { c.cl.Close() })
 	return nil
 }
 

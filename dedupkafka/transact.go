@@ -204,10 +204,7 @@ type Transactor struct {
 	assigned map[tp]bool
 	held     map[dedup.Key]*heldClaim
 
-	running  atomic.Bool
-	closing  chan struct{}
-	closeOne sync.Once
-	done     chan struct{}
+	lifecycle
 
 	st txStats
 }
@@ -284,7 +281,7 @@ func NewTransactor(brokers []string, group, txnID string, topics []string, store
 		return nil, bad("logger", "is nil (pass slog.New(slog.DiscardHandler) to silence it)")
 	}
 	t := &Transactor{store: store, h: h, scope: scope, cfg: cfg, assigned: map[tp]bool{}, held: map[dedup.Key]*heldClaim{},
-		closing: make(chan struct{}), done: make(chan struct{})}
+		lifecycle: newLifecycle()}
 	t.ext, _ = store.(dedup.Extender)
 	kopts := append(slices.Clone(cfg.kopts),
 		kgo.SeedBrokers(brokers...),
@@ -432,13 +429,7 @@ func (t *Transactor) Run(ctx context.Context) error {
 // Close stops Run, waits for it to end its transaction and leave the
 // group. It is safe to call more than once.
 func (t *Transactor) Close() error {
-	t.closeOne.Do(func() { close(t.closing) })
-	if t.running.Load() {
-		<-t.done
-	} else if t.running.CompareAndSwap(false, true) {
-		close(t.done)
-		t.sess.Close()
-	}
+	t.stop(func() { t.sess.Close() })
 	return nil
 }
 
