@@ -67,6 +67,25 @@ func (l *lifecycle) stop(release func()) {
 	}
 }
 
+// runContext returns ctx cancelled also by Close, or false if Close came
+// first.
+func (l *lifecycle) runContext(ctx context.Context) (context.Context, context.CancelFunc, bool) {
+	select {
+	case <-l.closing:
+		return ctx, func() {}, false
+	default:
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	go func() {
+		select {
+		case <-l.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel, true
+}
+
 type tp struct {
 	topic     string
 	partition int32
@@ -193,21 +212,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return ErrClosed
 	}
 	defer close(c.done)
-	select {
-	case <-c.closing:
+	ctx, cancel, ok := c.runContext(ctx)
+	if !ok {
 		c.cl.Close()
 		return ErrClosed
-	default:
 	}
-	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go func() {
-		select {
-		case <-c.closing:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	c.warn(ctx)
 	err := c.loop(ctx)
 	// Leaving the group runs the revocation callback, which commits what is

@@ -374,20 +374,11 @@ func (t *Transactor) Run(ctx context.Context) error {
 		clear(t.held)
 		t.mu.Unlock()
 	}()
-	select {
-	case <-t.closing:
+	ctx, cancel, ok := t.runContext(ctx)
+	if !ok {
 		return ErrClosed
-	default:
 	}
-	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go func() {
-		select {
-		case <-t.closing:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	aborts := 0
 	for ctx.Err() == nil {
 		fs := t.sess.PollRecords(ctx, t.cfg.maxPoll)
