@@ -163,6 +163,17 @@ type noReadAhead struct {
 	outbox.Notifier
 }
 
+// timedBare fills the table and times the bare async-ack loop over it.
+func (r *benchRig) timedBare(b *testing.B, rows int, fill func()) time.Duration {
+	fill()
+	b.StartTimer()
+	start := time.Now()
+	r.bare(b, rows)
+	took := time.Since(start)
+	b.StopTimer()
+	return took
+}
+
 // BenchmarkRelayThroughput publishes rows from PostgreSQL to the real
 // JetStream server: a bare async-ack loop, one relay and four relays (16
 // partitions), the cases rotated in each round; msg/s per case.
@@ -175,15 +186,7 @@ func BenchmarkRelayThroughput(b *testing.B) {
 		name string
 		run  func() time.Duration
 	}{
-		{"bare-async-loop", func() time.Duration {
-			fill()
-			b.StartTimer()
-			start := time.Now()
-			r.bare(b, rows)
-			took := time.Since(start)
-			b.StopTimer()
-			return took
-		}},
+		{"bare-async-loop", func() time.Duration { return r.timedBare(b, rows, fill) }},
 		{"relay-1", func() time.Duration { return r.relays(b, 1, src, rows, fill) }},
 		{"relay-4", func() time.Duration { return r.relays(b, 4, src, rows, fill) }},
 		// The relay without its read-ahead (the source seen without
@@ -397,15 +400,7 @@ func BenchmarkRelayReadAhead(b *testing.B) {
 		name string
 		run  func() time.Duration
 	}{
-		{"bare-async-loop", func() time.Duration {
-			fill()
-			b.StartTimer()
-			start := time.Now()
-			r.bare(b, rows)
-			took := time.Since(start)
-			b.StopTimer()
-			return took
-		}},
+		{"bare-async-loop", func() time.Duration { return r.timedBare(b, rows, fill) }},
 		{"relay-pipelined", func() time.Duration { return r.relays(b, 1, src, rows, fill) }},
 		{"relay-read-ahead-only", func() time.Duration { return r.relays(b, 1, src, rows, fill, outbox.WithoutPipelinedMarks()) }},
 		{"relay-no-read-ahead", func() time.Duration { return r.relays(b, 1, noReadAhead{src, src}, rows, fill) }},
