@@ -127,7 +127,7 @@ func (s *Store) adoptedRow(ctx context.Context, b batcher, key dedup.Key, query 
 		return err
 	}
 	var batch pgx.Batch
-	s.queueAdopt(&batch, false, []string{key.Scope}, []string{key.ID})
+	s.queueAdopt(&batch, false, []string{key.Scope}, []string{key.ID}, []int32{args[0].(int32)})
 	batch.Queue(query, args...)
 	br := b.SendBatch(ctx, &batch)
 	err := s.readAdopt(br)
@@ -142,15 +142,15 @@ func (s *Store) adoptedRow(ctx context.Context, b batcher, key dedup.Key, query 
 
 // queueAdopt queues the move of the old records of the keys (sorted)
 // when a conversion may be pending, and reports whether it did.
-func (s *Store) queueAdopt(batch *pgx.Batch, partitioned bool, scopes, ids []string) bool {
+func (s *Store) queueAdopt(batch *pgx.Batch, partitioned bool, scopes, ids []string, sids []int32) bool {
 	if s.converted.Load() {
 		return false
 	}
-	q := s.sql.adopt
+	q := s.sql.adoptIDs
 	if partitioned {
-		q = s.sql.pAdopt
+		q = s.sql.pAdoptIDs
 	}
-	batch.Queue(q, scopes, ids)
+	batch.Queue(q, scopes, ids, sids)
 	return true
 }
 
@@ -172,7 +172,7 @@ func (s *Store) readAdopt(br pgx.BatchResults) error {
 // partitioned claim statement query, for readLocked.
 func (s *Store) queueLocked(batch *pgx.Batch, lock int64, key dedup.Key, query string, args ...any) (adopt bool) {
 	batch.Queue(s.sql.lock, lock)
-	adopt = s.queueAdopt(batch, true, []string{key.Scope}, []string{key.ID})
+	adopt = s.queueAdopt(batch, true, []string{key.Scope}, []string{key.ID}, []int32{args[0].(int32)})
 	batch.Queue(query, args...)
 	return adopt
 }
@@ -306,7 +306,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		err = s.partitionedBatch(ctx, order, reqs, textScopes, textIDs, scopes, ids, tokens, fps, micros(lease), scan)
 	} else {
 		var batch pgx.Batch
-		adopt := s.queueAdopt(&batch, false, textScopes, textIDs)
+		adopt := s.queueAdopt(&batch, false, textScopes, textIDs, scopes)
 		batch.Queue(s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease), prefix[:8])
 		br := s.pool.SendBatch(ctx, &batch)
 		if adopt {
@@ -404,7 +404,7 @@ func (s *Store) partitionedBatch(ctx context.Context, order []int, reqs []dedup.
 	locks = slices.Compact(locks)
 	var batch pgx.Batch
 	batch.Queue(s.sql.lockMany, locks)
-	adopt := s.queueAdopt(&batch, true, textScopes, textIDs)
+	adopt := s.queueAdopt(&batch, true, textScopes, textIDs, scopes)
 	batch.Queue(s.sql.pClaimBatch, scopes, ids, tokens, fps, lease)
 	br := s.pool.SendBatch(ctx, &batch)
 	defer br.Close()
@@ -594,17 +594,20 @@ func (s *Store) adoptKey(ctx context.Context, key dedup.Key) error {
 	if s.converted.Load() {
 		return nil
 	}
-	scopes, ids := []string{key.Scope}, []string{key.ID}
+	sid, err := s.scopeID(ctx, key.Scope)
+	if err != nil {
+		return err
+	}
+	scopes, ids, sids := []string{key.Scope}, []string{key.ID}, []int32{sid}
 	var pending bool
-	var err error
 	if s.cfg.partition == 0 {
-		err = s.pool.QueryRow(ctx, s.sql.adopt, scopes, ids).Scan(&pending)
+		err = s.pool.QueryRow(ctx, s.sql.adoptIDs, scopes, ids, sids).Scan(&pending)
 	} else {
 		err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, s.sql.lock, s.keyLock(key)); err != nil {
 				return err
 			}
-			return tx.QueryRow(ctx, s.sql.pAdopt, scopes, ids).Scan(&pending)
+			return tx.QueryRow(ctx, s.sql.pAdoptIDs, scopes, ids, sids).Scan(&pending)
 		})
 	}
 	if err == nil && !pending {

@@ -147,7 +147,7 @@ func (s *Store) InboxSQL(ctx context.Context, tx *sql.Tx, key dedup.Key, fp dedu
 		_, err = tx.ExecContext(ctx, s.sql.lock, s.keyLock(key))
 		if err == nil && !s.converted.Load() {
 			var pending bool
-			if err = tx.QueryRowContext(ctx, s.sql.pAdopt, []string{key.Scope}, []string{key.ID}).Scan(&pending); err == nil && !pending {
+			if err = tx.QueryRowContext(ctx, s.sql.pAdoptIDs, []string{key.Scope}, []string{key.ID}, []int32{ref.scope}).Scan(&pending); err == nil && !pending {
 				s.converted.Store(true)
 			}
 		}
@@ -251,7 +251,7 @@ func (s *Store) RunInbox(ctx context.Context, key dedup.Key, fp dedup.Fingerprin
 	if s.cfg.partition > 0 {
 		adopt = s.queueLocked(&b, s.keyLock(key), key, s.sql.pInbox, args...)
 	} else {
-		adopt = s.queueAdopt(&b, false, []string{key.Scope}, []string{key.ID})
+		adopt = s.queueAdopt(&b, false, []string{key.Scope}, []string{key.ID}, []int32{ref.scope})
 		b.Queue(s.inboxStmt(), args...)
 	}
 	br := conn.Conn().SendBatch(ctx, &b)
@@ -387,7 +387,7 @@ func (s *Store) txRef(ctx context.Context, query func(q string, args []any, dest
 	}
 	if s.cfg.partition == 0 && !s.converted.Load() {
 		var pending bool
-		if err := query(s.sql.adopt, []any{[]string{key.Scope}, []string{key.ID}}, &pending); err != nil {
+		if err := query(s.sql.adoptIDs, []any{[]string{key.Scope}, []string{key.ID}, []int32{sid}}, &pending); err != nil {
 			return keyRef{}, err
 		}
 		if !pending {

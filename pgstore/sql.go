@@ -41,6 +41,9 @@ type statements struct {
 	outbox             string
 	// adopt and pAdopt move old records while a conversion is pending.
 	adopt, pAdopt string
+	// adoptIDs, pAdoptIDs: adopt and adopt_p given the scope integers too
+	// (migration 0008), for every move but Convert's.
+	adoptIDs, pAdoptIDs string
 }
 
 // now is the statement's time on the server: fixed for the whole
@@ -315,8 +318,10 @@ RETURNING r.attempts, r.deadline, r.deadline`,
 		lockMany: `SELECT count(pg_advisory_xact_lock(k)) FROM unnest($1::int8[]) WITH ORDINALITY AS t(k, o)`,
 		// adopt moves the old records of the keys ($1 scopes, $2 ids, in
 		// key order) while a conversion is pending; see migration 0006.
-		adopt:  `SELECT ` + n.qualify("adopt") + `($1::text[], $2::text[])`,
-		pAdopt: `SELECT ` + n.qualify("adopt_p") + `($1::text[], $2::text[])`,
+		adopt:     `SELECT ` + n.qualify("adopt") + `($1::text[], $2::text[])`,
+		pAdopt:    `SELECT ` + n.qualify("adopt_p") + `($1::text[], $2::text[])`,
+		adoptIDs:  `SELECT ` + n.qualify("adopt") + `($1::text[], $2::text[], $3::integer[])`,
+		pAdoptIDs: `SELECT ` + n.qualify("adopt_p") + `($1::text[], $2::text[], $3::integer[])`,
 		// Complete: fenced by the token. A second Complete with the same
 		// token matches the row and changes nothing, because the CASEs
 		// only write while it is in progress.
