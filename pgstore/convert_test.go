@@ -130,7 +130,7 @@ func TestConvertOldRecordsOnline(t *testing.T) {
 		const n = 600
 		oldRecords(t, s, n)
 		r, err := s.Migrate(ctx)
-		if err != nil || len(r.Applied) != 3 || r.Applied[0] != "0006_compact_records" || r.Applied[1] != "0007_fingerprint_digest" || r.Applied[2] != "0008_adopt_scope_ids" {
+		if err != nil || len(r.Applied) != 4 || r.Applied[0] != "0006_compact_records" || r.Applied[3] != "0009_old_tables_read_only" {
 			t.Fatalf("Migrate over version 5 = %+v, %v", r, err)
 		}
 

@@ -152,7 +152,9 @@
 // <prefix>records_p until [Store.Convert] (run by `dedup migrate`) moves
 // them in batches, online, and drops the old tables; until then every
 // claim first moves its key's old record, so old records are read and
-// deduplicated as before.
+// deduplicated as before. The old tables refuse inserts (migration 0009),
+// so a binary of schema version 5 still running fails its claims instead
+// of acquiring a key whose record has moved.
 //
 // A scope's retention window is a floor: Complete and the inbox keep a
 // record for the longer of the caller's retention and the scope's.

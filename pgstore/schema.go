@@ -57,7 +57,7 @@ var migrations = func() []migration {
 
 // SchemaVersion is the schema version this package needs: the number of
 // its last migration.
-const SchemaVersion = 8
+const SchemaVersion = 9
 
 func init() {
 	if len(migrations) != SchemaVersion {
