@@ -19,16 +19,31 @@ import (
 // cutConn drops the TCP connection right after writing a frame that
 // holds marker, the first time: the broker gets the publish, the
 // publisher never gets its confirm.
+// cutConn drops its connection right after writing the first frame that
+// holds marker (once across all connections sharing cut). Its reads fail
+// from the moment it decides to cut, before the write: the broker's answer
+// to that frame (the confirm) is never seen, however fast it comes back.
 type cutConn struct {
 	net.Conn
 	marker []byte
 	cut    *atomic.Bool
+	dead   atomic.Bool
 }
 
 func (c *cutConn) Write(p []byte) (int, error) {
-	n, err := c.Conn.Write(p)
-	if err == nil && bytes.Contains(p, c.marker) && c.cut.CompareAndSwap(false, true) {
+	if bytes.Contains(p, c.marker) && c.cut.CompareAndSwap(false, true) {
+		c.dead.Store(true)
+		n, err := c.Conn.Write(p)
 		c.Conn.Close()
+		return n, err
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *cutConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if c.dead.Load() {
+		return 0, net.ErrClosed
 	}
 	return n, err
 }
