@@ -62,9 +62,35 @@ func NewClusterFailover(ctx context.Context, seeds []string) (*ClusterFailover, 
 		return nil, errors.New("no cluster addresses")
 	}
 	f := &ClusterFailover{seeds: seeds}
-	nodes, err := f.topology(ctx)
+	// A node killed by an earlier run may still be rejoining as a replica:
+	// wait for the cluster to heal, and for every master to have its
+	// replica, for a while before calling the cluster unfit.
+	nodes, err := f.topology(ctx) // not a cluster at all: say so at once
 	if err != nil {
 		return nil, err
+	}
+	for wait := time.Duration(0); ; wait += 500 * time.Millisecond {
+		if nodes, err = f.waitHealthy(ctx, 0); err != nil {
+			return nil, err
+		}
+		lonely := ""
+		for _, n := range nodes {
+			if n.master() && len(replicasOf(nodes, n)) == 0 {
+				lonely = n.addr
+				break
+			}
+		}
+		if lonely == "" {
+			break
+		}
+		if wait >= 60*time.Second {
+			return nil, fmt.Errorf("master %s has no replica: a failover needs a cluster with replicas (scripts/redis-cluster.sh start --replicas, 127.0.0.1:7100-7105)", lonely)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(500 * time.Millisecond):
+		}
 	}
 	masters := 0
 	for _, n := range nodes {
@@ -72,9 +98,6 @@ func NewClusterFailover(ctx context.Context, seeds []string) (*ClusterFailover, 
 			continue
 		}
 		masters++
-		if len(replicasOf(nodes, n)) == 0 {
-			return nil, fmt.Errorf("master %s has no replica: a failover needs a cluster with replicas (scripts/redis-cluster.sh start --replicas, 127.0.0.1:7100-7105)", n.addr)
-		}
 		if _, err := restartCommand(ctx, n.addr); err != nil {
 			return nil, err
 		}
