@@ -12,6 +12,7 @@ import (
 	"github.com/dedupkit/dedup/layered"
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // TestApplyBehindWindowAndRedis: PostgreSQL's one-round-trip inbox
@@ -22,20 +23,8 @@ import (
 // catch duplicates.
 func TestApplyBehindWindowAndRedis(t *testing.T) {
 	testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
-	pool := testenv.PostgresPool(t)
-	pg, err := pgstore.New(pool, pgstore.WithSchema(testenv.PostgresSchema(t, pool)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pg.Close() })
+	pg, pool, ledger := pgLedger(t)
 	ctx := context.Background()
-	if _, err := pg.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	ledger := pg.Tables().Schema + ".ledger"
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+ledger+` (msg_id text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
 	srv := testenv.StartRedis(t, "")
 	w := win(t)
 	lay := newLayered(t, layered.WithWindow(w), layered.WithFast(redisFast(t, srv), "redis"))
@@ -90,4 +79,25 @@ func TestApplyBehindWindowAndRedis(t *testing.T) {
 	if st := lay.Stats(); st.Window == 0 || st.Fast == 0 || st.Durable == 0 {
 		t.Fatalf("stats %+v: want duplicates caught by the window, Redis and PostgreSQL", st)
 	}
+}
+
+// pgLedger returns a migrated pgstore in a schema of its own, its pool and
+// the name of an empty ledger table (one row per applied message) beside
+// its records.
+func pgLedger(t *testing.T) (*pgstore.Store, *pgxpool.Pool, string) {
+	t.Helper()
+	pool := testenv.PostgresPool(t)
+	pg, err := pgstore.New(pool, pgstore.WithSchema(testenv.PostgresSchema(t, pool)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pg.Close() })
+	if _, err := pg.Migrate(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ledger := pg.Tables().Schema + ".ledger"
+	if _, err := pool.Exec(context.Background(), `CREATE TABLE `+ledger+` (msg_id text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return pg, pool, ledger
 }

@@ -110,20 +110,8 @@ func TestConformanceRedisFilterPostgres(t *testing.T) {
 // caught duplicates.
 func TestFilterFlushedMidRunApply(t *testing.T) {
 	testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
-	pool := testenv.PostgresPool(t)
-	pg, err := pgstore.New(pool, pgstore.WithSchema(testenv.PostgresSchema(t, pool)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pg.Close() })
+	pg, pool, ledger := pgLedger(t)
 	ctx := context.Background()
-	if _, err := pg.Migrate(ctx); err != nil {
-		t.Fatal(err)
-	}
-	ledger := pg.Tables().Schema + ".ledger"
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+ledger+` (msg_id text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
 	srv := testenv.StartRedis(t, "")
 	w := win(t)
 	lay := newLayered(t, layered.WithWindow(w), layered.WithFilter(redisFilter(t, srv.Addrs()), "redis"))

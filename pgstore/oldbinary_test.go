@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/dedupkit/dedup"
-	"github.com/dedupkit/dedup/pgstore"
 )
 
 // After migration 0006 a binary of version 5 that still runs must not
@@ -15,16 +14,8 @@ import (
 // old table) fails instead of acquiring the key again.
 func TestOldBinaryRefusedAfterMigration(t *testing.T) {
 	forModes(t, func(t *testing.T, m mode) {
-		pool := testPool(t)
-		s, err := pgstore.New(pool, append([]pgstore.Option{pgstore.WithSchema(freshSchema(t, pool))}, m.opts...)...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer s.Close()
+		s := v5Store(t, m)
 		ctx := context.Background()
-		if _, err := pgstore.MigrateTo(ctx, s, 5); err != nil {
-			t.Fatal(err)
-		}
 		oldRecords(t, s, 4)
 		if _, err := s.Migrate(ctx); err != nil {
 			t.Fatal(err)
@@ -39,7 +30,7 @@ func TestOldBinaryRefusedAfterMigration(t *testing.T) {
 			table = s.Tables().Schema + `."dedup_records_p"`
 		}
 		// The old binary's claim of the same key: an insert into the old table.
-		tag, err := pool.Exec(ctx, `INSERT INTO `+table+` (scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)
+		tag, err := s.Pool().Exec(ctx, `INSERT INTO `+table+` (scope, id, state, token, fingerprint, result, lease_until, expires_at, attempts, created_at)
 VALUES ($1, $2, 1, '\x09'::bytea, $3::bytea, NULL, statement_timestamp() + interval '1 minute', statement_timestamp() + interval '1 day', 1, statement_timestamp())`,
 			key("").Scope, oldID(1), []byte(fpA))
 		if err == nil {
