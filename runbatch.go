@@ -65,28 +65,88 @@ func (e *PanicError) Error() string { return fmt.Sprintf("dedup: handler panicke
 // Hooks see each request's claim (with the duration of the batch call),
 // and each complete, release and keep, as for Do.
 func (r *Runner) DoBatch(ctx context.Context, reqs []ClaimRequest, h BatchHandler) ([]Result, []error) {
+	return r.StartBatch(ctx, reqs, h).Finish()
+}
+
+// A PendingBatch is a batch whose claims were made and whose handlers ran
+// ([Runner.StartBatch]), and whose completion is left to Finish.
+type PendingBatch struct {
+	b     *batch
+	clean bool
+	done  bool
+	stop  func() // stops the heartbeat; nil if none runs
+	// The successes and the failures to record, completed by Finish.
+	pending []Completion
+	at      []int   // index into b.claims of each pending completion
+	herrs   []error // the failures to record, by pending completion; nil if none
+}
+
+// StartBatch does the first half of [Runner.DoBatch]: it claims the batch
+// in one call and runs the handlers of the keys acquired, in order,
+// releasing or keeping each failure's claim at once, and returns before
+// the successes are completed. [PendingBatch.Finish] completes them in one
+// call, does the requests left to be done alone, and returns what DoBatch
+// would have returned. Until Finish returns, the batch's claims awaiting
+// their completion stay extended by its heartbeat, so the caller may do
+// other work in between (claim and run the next batch: see
+// consumer.Pipeline). Finish must be called exactly once, from any
+// goroutine; nothing the batch claimed is completed before it.
+func (r *Runner) StartBatch(ctx context.Context, reqs []ClaimRequest, h BatchHandler) *PendingBatch {
 	res, errs := make([]Result, len(reqs)), make([]error, len(reqs))
+	b := &batch{r: r, ctx: ctx, reqs: reqs, h: h, res: res, errs: errs}
+	pb := &PendingBatch{b: b}
 	if h == nil {
 		for i := range errs {
 			errs[i] = &ArgumentError{Arg: "handler", Reason: "is nil"}
 		}
-		return res, errs
+		return pb
 	}
 	ext, ok := r.store.(Extender)
 	if !ok {
+		// Every request alone, now: Finish has nothing left to do.
+		pb.clean = true
 		for i := range reqs {
 			res[i], errs[i] = r.alone(ctx, reqs, i, h)
+			pb.clean = pb.clean && errs[i] == nil
 		}
-		return res, errs
+		return pb
 	}
-	b := &batch{r: r, ctx: ctx, reqs: reqs, h: h, res: res, errs: errs}
 	b.cond.L = &b.mu
 	b.claim()
-	b.runAll(ext)
-	for _, i := range b.alone {
-		res[i], errs[i] = r.alone(ctx, reqs, i, h)
+	pb.runHandlers(ext)
+	return pb
+}
+
+// Clean reports whether every request of the batch was acquired and its
+// handler succeeded, so that only the completion of the successes is left
+// to Finish (which may still fail). A batch that is not clean has a
+// request that was found done or taken, failed, or is left to be done
+// alone.
+func (pb *PendingBatch) Clean() bool { return pb.clean }
+
+// RunsHandlers reports whether Finish will run handlers: requests left to
+// be done alone, after the batch (a claim lost while it waited, a panic,
+// a done context).
+func (pb *PendingBatch) RunsHandlers() bool { return len(pb.b.alone) > 0 }
+
+// Finish completes the batch's successes in one call, does the requests
+// left to be done alone, and returns, for each request, the Result and
+// error [Runner.DoBatch] would have returned. A second call returns the
+// same slices and does nothing.
+func (pb *PendingBatch) Finish() ([]Result, []error) {
+	b := pb.b
+	if pb.done {
+		return b.res, b.errs
 	}
-	return res, errs
+	pb.done = true
+	pb.completeAll()
+	if pb.stop != nil {
+		pb.stop()
+	}
+	for _, i := range b.alone {
+		b.res[i], b.errs[i] = b.r.alone(b.ctx, b.reqs, i, b.h)
+	}
+	return b.res, b.errs
 }
 
 // alone does request i as Do does, returning a panic as a *PanicError.
@@ -203,73 +263,84 @@ func (b *batch) claim() {
 	}
 }
 
-// runAll runs the handlers of the acquired requests in order, keeping the
-// waiting claims alive, then completes the successes in one call.
-func (b *batch) runAll(ext Extender) {
+// runHandlers runs the handlers of the acquired requests in order,
+// keeping the waiting claims alive, and leaves the successes to complete
+// to completeAll.
+func (pb *PendingBatch) runHandlers(ext Extender) {
+	b := pb.b
 	if len(b.claims) == 0 {
 		return
 	}
 	r := b.r
+	pb.clean = len(b.claims) == len(b.reqs)
 	if len(b.claims) > 1 {
 		stop, stopped := make(chan struct{}), make(chan struct{})
 		go b.heartbeat(ext, stop, stopped)
-		defer func() {
+		pb.stop = func() {
 			close(stop)
 			<-stopped
-		}()
+		}
 	}
-	var (
-		pending = make([]Completion, 0, len(b.claims))
-		at      = make([]int, 0, len(b.claims)) // index into claims of each pending completion
-		herrs   []error                         // the failures to record, by pending completion; nil if none
-		aborted bool                            // a handler panicked
-	)
+	pb.pending = make([]Completion, 0, len(b.claims))
+	pb.at = make([]int, 0, len(b.claims))
+	aborted := false // a handler panicked
 	for j := range b.claims {
 		c, i := &b.claims[j], b.idx[j]
 		lost, stale := b.take(j)
 		switch {
 		case lost:
 			b.alone = append(b.alone, i)
+			pb.clean = false
 			continue
 		case aborted || stale || b.ctx.Err() != nil:
 			b.abandon(*c)
 			b.alone = append(b.alone, i)
+			pb.clean = false
 			continue
 		}
 		out, herr, p, panicked := b.run(i, *c)
 		if panicked { // run released the claim
 			b.errs[i] = &PanicError{Value: p}
-			aborted = true
+			aborted, pb.clean = true, false
 			continue
+		}
+		if herr != nil {
+			pb.clean = false
 		}
 		op, stored := r.disposal(out, herr)
 		if op == "complete" {
 			b.wait(j)
-			if herr != nil && herrs == nil {
-				herrs = make([]error, len(pending), cap(pending))
+			if herr != nil && pb.herrs == nil {
+				pb.herrs = make([]error, len(pb.pending), cap(pb.pending))
 			}
-			if herrs != nil {
-				herrs = append(herrs, herr)
+			if pb.herrs != nil {
+				pb.herrs = append(pb.herrs, herr)
 			}
-			pending, at = append(pending, Completion{Claim: *c, Result: stored}), append(at, j)
+			pb.pending, pb.at = append(pb.pending, Completion{Claim: *c, Result: stored}), append(pb.at, j)
 			continue
 		}
 		fctx, cancel := r.finalContext(b.ctx)
 		b.res[i], b.errs[i] = finished(b.res[i], op, nil, herr, r.finish(fctx, *c, op, nil))
 		cancel()
 	}
-	if len(pending) == 0 {
+}
+
+// completeAll completes the successes (and the failures to record) in one
+// call, on a context detached from the batch's when it is done by then.
+func (pb *PendingBatch) completeAll() {
+	if len(pb.pending) == 0 {
 		return
 	}
+	b, r := pb.b, pb.b.r
 	fctx, cancel := r.finalContext(b.ctx)
 	defer cancel()
-	for k, err := range r.completeBatch(fctx, pending) {
+	for k, err := range r.completeBatch(fctx, pb.pending) {
 		var herr error
-		if herrs != nil {
-			herr = herrs[k]
+		if pb.herrs != nil {
+			herr = pb.herrs[k]
 		}
-		i := b.idx[at[k]]
-		b.res[i], b.errs[i] = finished(b.res[i], "complete", pending[k].Result, herr, err)
+		i := b.idx[pb.at[k]]
+		b.res[i], b.errs[i] = finished(b.res[i], "complete", pb.pending[k].Result, herr, err)
 	}
 }
 

@@ -78,10 +78,11 @@ type Processor struct {
 	name  string
 	cfg   config
 	apply func(ctx context.Context, p *Processor, m *Message, key dedup.Key, fp dedup.Fingerprint) (out applied, err error)
-	// batch runs items through the store in one batch (store mode); nil in
+	// startBatch claims items in one batch and runs their handlers (store
+	// mode); finish completes them and fills in what each run did. nil in
 	// inbox mode.
-	batch func(ctx context.Context, p *Processor, items []batchItem)
-	track *tracker
+	startBatch func(ctx context.Context, p *Processor, items []batchItem) (finish func(), pb *dedup.PendingBatch)
+	track      *tracker
 
 	applied, duplicates, retries, deadLettered, rejected atomic.Uint64
 	inProgress, storeErrors, reconciled                  atomic.Uint64
@@ -149,26 +150,29 @@ func New(name string, store dedup.Store, h Handler, opts ...Option) (*Processor,
 		a.set(res)
 		return a, err
 	}
-	p.batch = func(ctx context.Context, p *Processor, items []batchItem) {
+	p.startBatch = func(ctx context.Context, p *Processor, items []batchItem) (func(), *dedup.PendingBatch) {
 		reqs := make([]dedup.ClaimRequest, len(items))
 		for j := range items {
 			reqs[j] = dedup.ClaimRequest{Key: items[j].key, Fingerprint: items[j].fp}
 		}
-		res, errs := runner.DoBatch(ctx, reqs, func(ctx context.Context, j int, c dedup.Claim) ([]byte, error) {
+		pb := runner.StartBatch(ctx, reqs, func(ctx context.Context, j int, c dedup.Claim) ([]byte, error) {
 			it := &items[j]
 			it.a.ran = true
 			return run(ctx, it.m, it.key, c)
 		})
-		for j := range items {
-			it := &items[j]
-			if pe, ok := errs[j].(*dedup.PanicError); ok {
-				// As in Process: the claim was released; a permanent failure.
-				it.a, it.err = applied{ran: true}, panicked(pe.Value)
-				continue
+		return func() {
+			res, errs := pb.Finish()
+			for j := range items {
+				it := &items[j]
+				if pe, ok := errs[j].(*dedup.PanicError); ok {
+					// As in Process: the claim was released; a permanent failure.
+					it.a, it.err = applied{ran: true}, panicked(pe.Value)
+					continue
+				}
+				it.a.set(res[j])
+				it.err = errs[j]
 			}
-			it.a.set(res[j])
-			it.err = errs[j]
-		}
+		}, pb
 	}
 	return p, nil
 }
@@ -364,16 +368,40 @@ func (p *Processor) Process(ctx context.Context, m *Message) Decision {
 // once ctx is done (a shutdown) the decisions are those Process would make
 // at the end of the batch. In inbox mode ([NewInbox]), whose transaction
 // is per message, ProcessBatch calls Process for each message.
+//
+// A [Pipeline] runs batches with these decisions, overlapping each
+// batch's completion with the claim and handlers of the next.
 func (p *Processor) ProcessBatch(ctx context.Context, ms []*Message) []Decision {
-	ds := make([]Decision, len(ms))
-	if p.batch == nil {
+	if p.startBatch == nil {
+		ds := make([]Decision, len(ms))
 		for i, m := range ms {
 			ds[i] = p.Process(ctx, m)
 		}
 		return ds
 	}
-	items := make([]batchItem, 0, len(ms))
-	batched := make([]int, len(ms)) // 1 + the message's index in items; 0: processed alone
+	st := p.prepare(ms)
+	st.start(ctx, p)
+	st.finish()
+	return st.decide(ctx, p)
+}
+
+// batchRun is one batch of ProcessBatch (or of a Pipeline) between its
+// steps: the messages, those claimed together, and the batch's finish.
+type batchRun struct {
+	ms      []*Message
+	items   []batchItem
+	batched []int // 1 + the message's index in items; 0: processed alone
+	keys    []dedup.Key
+	// alone is set when a message is processed alone in its turn with its
+	// handler (its key repeats one earlier in the batch).
+	alone bool
+	fin   func()
+	pb    *dedup.PendingBatch
+}
+
+// prepare derives the keys of ms and picks the messages claimed together.
+func (p *Processor) prepare(ms []*Message) *batchRun {
+	st := &batchRun{ms: ms, items: make([]batchItem, 0, len(ms)), batched: make([]int, len(ms)), keys: make([]dedup.Key, 0, len(ms))}
 	seen := make(map[dedup.Key]struct{}, len(ms))
 	for i, m := range ms {
 		if m == nil {
@@ -385,25 +413,58 @@ func (p *Processor) ProcessBatch(ctx context.Context, ms []*Message) []Decision 
 		}
 		_, again := seen[key]
 		seen[key] = struct{}{}
-		if again || p.overDelivered(m) {
+		if again {
+			st.alone = true
 			continue
 		}
-		items = append(items, batchItem{m: m, key: key, fp: p.fingerprintOf(m)})
-		batched[i] = len(items)
+		st.keys = append(st.keys, key)
+		if p.overDelivered(m) {
+			continue
+		}
+		st.items = append(st.items, batchItem{m: m, key: key, fp: p.fingerprintOf(m)})
+		st.batched[i] = len(st.items)
 	}
-	if len(items) > 0 {
-		p.batch(ctx, p, items)
+	return st
+}
+
+// start claims the batch and runs its handlers.
+func (st *batchRun) start(ctx context.Context, p *Processor) {
+	if len(st.items) > 0 {
+		st.fin, st.pb = p.startBatch(ctx, p, st.items)
 	}
-	// Decide in message order, as Process would: a message not in the
-	// batch (no valid key, over the delivery limit, or a key repeated) is
-	// processed alone in its turn, after the messages before it decided.
-	for i, m := range ms {
+}
+
+// clean reports whether every message was claimed with the batch, was
+// acquired and ran its handler without a failure: only the completion is
+// left.
+func (st *batchRun) clean() bool {
+	return len(st.items) == len(st.ms) && st.pb != nil && st.pb.Clean()
+}
+
+// runsHandlers reports whether finish or decide will run handlers.
+func (st *batchRun) runsHandlers() bool {
+	return st.alone || st.pb != nil && st.pb.RunsHandlers()
+}
+
+// finish completes the batch.
+func (st *batchRun) finish() {
+	if st.fin != nil {
+		st.fin()
+	}
+}
+
+// decide decides in message order, as Process would: a message not in the
+// batch (no valid key, over the delivery limit, or a key repeated) is
+// processed alone in its turn, after the messages before it decided.
+func (st *batchRun) decide(ctx context.Context, p *Processor) []Decision {
+	ds := make([]Decision, len(st.ms))
+	for i, m := range st.ms {
 		switch {
 		case m == nil:
 			ds[i] = nilMessage(p)
 			continue
-		case batched[i] > 0:
-			it := &items[batched[i]-1]
+		case st.batched[i] > 0:
+			it := &st.items[st.batched[i]-1]
 			ds[i] = p.decide(ctx, m, it.key, it.a, it.err)
 		default:
 			ds[i] = p.process(ctx, m)

@@ -337,6 +337,10 @@ func (c *Consumer) round(ctx context.Context, work []*part) {
 // drain runs pt's backlog in order. A Retry decision holds the partition:
 // the record and those after it stay in the backlog until the delay ends.
 func (c *Consumer) drain(ctx context.Context, pt *part) {
+	if c.cfg.batch > 1 {
+		c.drainBatches(ctx, pt)
+		return
+	}
 	// Scratch slices, reused for every batch of this drain (one record at
 	// a time by default: four allocations a record saved).
 	b := c.cfg.batch
@@ -409,6 +413,115 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 		pt.backlog = nil
 		pt.held = false
 	}
+}
+
+// drainBatches is drain in batch mode ([WithBatch]): it runs pt's backlog
+// in batches through a [consumer.Pipeline], so that a batch's completion
+// overlaps the claim and handlers of the next, and decides each record in
+// offset order once its batch's completion returned. A Retry holds the
+// partition at its record as in drain; the records after it stay in the
+// backlog (those of a later batch already run are found duplicate when
+// they run again). After a batch that is not clean (a handler failed, a
+// key was found in progress, a record could not be read) the next batch
+// waits for its decisions, so that a record to retry holds the partition
+// before any later batch runs, as in drain.
+func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
+	pl := c.p.NewPipeline(2)
+	backlog := pt.backlog
+	var (
+		mu    sync.Mutex // the decisions arrive on the pipeline's goroutine
+		stop  = -1       // index in backlog of the record a Retry holds the partition at
+		stopD consumer.Decision
+		stopM *consumer.Message
+		next  = pt.next
+	)
+	held := func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return stop >= 0
+	}
+	off := 0
+	for off < len(backlog) && ctx.Err() == nil && !held() {
+		n := min(c.cfg.batch, len(backlog)-off)
+		recs, base := backlog[off:off+n], off
+		ms := make([]*consumer.Message, n)
+		errs := make([]error, n)
+		run, at := make([]*consumer.Message, 0, n), make([]int, 0, n)
+		for i, r := range recs {
+			delivery := 1
+			if base+i == 0 {
+				delivery += pt.redeliver
+			}
+			m, err := newMessage(r, delivery)
+			ms[i] = m
+			if err != nil {
+				errs[i] = err // decided in its turn, after the records before it
+				continue
+			}
+			run, at = append(run, m), append(at, i)
+		}
+		clean := pl.Submit(ctx, run, func(rds []consumer.Decision) {
+			ds := make([]consumer.Decision, n)
+			for j, d := range rds {
+				ds[at[j]] = d
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if stop >= 0 {
+				return // held at an earlier record: these stay in the backlog
+			}
+			for i, r := range recs {
+				d := ds[i]
+				if errs[i] != nil {
+					c.st.envelope.Add(1)
+					d = c.p.Quarantine(ctx, ms[i], consumer.ClassPermanent, errs[i])
+				}
+				if d.Action == consumer.Retry {
+					stop, stopD, stopM = base+i, d, ms[i]
+					return
+				}
+				c.st.final.Add(1)
+				if d.Duplicate {
+					c.st.duplicates.Add(1)
+				}
+				if d.Action == consumer.DeadLettered {
+					c.st.deadLettered.Add(1)
+				}
+				next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+			}
+		})
+		off += n
+		if !clean || len(run) < n {
+			pl.Wait()
+		}
+	}
+	pl.Wait()
+	pt.next = next
+	if stop < 0 {
+		pt.backlog = backlog[off:]
+		if off > 0 {
+			pt.redeliver = 0
+		}
+		if len(pt.backlog) == 0 {
+			pt.backlog = nil
+			pt.held = false
+		}
+		return
+	}
+	pt.backlog = backlog[stop:]
+	if ctx.Err() != nil {
+		return // shutting down: the record stays unfinished
+	}
+	if stop > 0 {
+		pt.redeliver = 0
+	}
+	pt.redeliver++
+	pt.held = true
+	pt.due = time.Now().Add(min(max(stopD.Delay, 0), c.cfg.maxHold))
+	c.st.held.Add(1)
+	c.cfg.logger.Debug("dedupkafka: holding partition", slog.String("topic", pt.topic),
+		slog.Int("partition", int(pt.partition)), slog.Int64("offset", backlog[stop].Offset),
+		slog.String("message_id", stopM.ID), slog.Duration("delay", stopD.Delay), slog.Any("err", stopD.Err))
 }
 
 // finalOffsets returns the offsets to commit for work: one past the last

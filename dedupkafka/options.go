@@ -89,6 +89,14 @@ func WithMaxPollRecords(n int) ConsumerOption {
 // retry in batch mode can let a later record of the partition take effect
 // before an earlier one (their redelivery is then a duplicate). Keep the
 // default 1 where per-key order must hold through retries.
+//
+// A partition's batches go through a [consumer.Pipeline]: a batch's
+// completion overlaps the claim and handlers of the next, and the records
+// of a batch become final (committable) only once its completion
+// returned. After a batch whose handlers did not all succeed the next
+// one waits for its decisions; only a completion that fails after clean
+// handlers can find the next batch already run (its records then stay
+// behind the held one and are duplicates when they run again).
 func WithBatch(n int) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.batch = n })
 }

@@ -4,8 +4,11 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -191,7 +194,8 @@ func benchConsume(b *testing.B, batch, conc int) {
 				b.Fatal(err)
 			}
 			var done atomic.Int64
-			c.processBatch = func(ctx context.Context, msgs []jetstream.Msg) {
+			c.processBatch = func(ctx context.Context, msgs []jetstream.Msg, settled func()) {
+				defer settled()
 				for w := range writes {
 					cmds := make(rueidis.Commands, len(msgs))
 					for i, msg := range msgs {
@@ -219,6 +223,238 @@ func benchConsume(b *testing.B, batch, conc int) {
 			elapsed := runBench(b, c, func() int64 { return done.Load() })
 			report(b, elapsed)
 		})
+	}
+}
+
+// BenchmarkConsumeRotated runs the batch cases of BenchmarkConsume/c32
+// (batch 256: one worker, batches of up to 128 queued messages) in one
+// process, rotated: each round runs every case once on a fresh stream of
+// 20,000 messages, the round's first case moving by one each round, so
+// that ours and its floors share the machine's state minute by minute.
+// -benchtime Nx runs N rounds. The metrics are each case's median msgs/s
+// and its median ratio, round by round, to redis-floor2; -v logs every
+// round. DEDUP_BENCH_CASES (names, comma-separated) runs only those.
+//
+//   - memstore-batch, redis-batch: the adapter with WithBatchProcessing
+//     on that store (a pipelined batch: its completion overlaps the next
+//     batch's claim, see consumer.Pipeline).
+//   - redis-floor2: BenchmarkConsume's floor: per batch, a pipeline of
+//     plain SET NX PX, the no-op handlers' place, a pipeline of plain SET
+//     PX, then the acks, each batch after the one before.
+//   - redis-floor2-overlap: the same writes with the same overlap as ours
+//     (the next batch's SET NX pipeline is sent while the previous batch's
+//     SET pipeline and acks are in flight, one batch at a time), to show
+//     what the overlap alone gains a bare client.
+//
+// Redis is DEDUP_REDIS_ADDR: use a private server.
+func BenchmarkConsumeRotated(b *testing.B) {
+	const n, batch = 20000, 256
+	_, js := connect(b)
+	rc := benchRedis(b)
+	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	// consume runs c until n messages are acknowledged (done counts them)
+	// and returns msgs/s.
+	consume := func(b *testing.B, c *Consumer, done *atomic.Int64) float64 {
+		start := time.Now()
+		errc := make(chan error, 1)
+		go func() { errc <- c.Run(context.Background()) }()
+		deadline := start.Add(5 * time.Minute)
+		for done.Load() < n {
+			if time.Now().After(deadline) {
+				b.Fatalf("%d of %d messages after 5 minutes", done.Load(), n)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		rate := n / time.Since(start).Seconds()
+		c.Close()
+		if err := <-errc; err != nil {
+			b.Fatal(err)
+		}
+		return rate
+	}
+	stream := func(b *testing.B) (string, func()) {
+		name := newStream(b, js)
+		payload := make([]byte, 128)
+		for i := range n {
+			msg := nats.NewMsg(name + ".events")
+			id := "evt-" + strconv.Itoa(i)
+			msg.Header.Set(HeaderMsgID, id)
+			msg.Header.Set(jetstream.MsgIDHeader, id)
+			msg.Data = payload
+			if _, err := js.PublishMsgAsync(msg); err != nil {
+				b.Fatal(err)
+			}
+		}
+		select {
+		case <-js.PublishAsyncComplete():
+		case <-time.After(5 * time.Minute):
+			b.Fatal("publishing timed out")
+		}
+		return name, func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_ = js.DeleteStream(ctx, name)
+		}
+	}
+	ours := func(open func(b *testing.B) (dedup.Store, func())) func(b *testing.B) float64 {
+		return func(b *testing.B) float64 {
+			name, drop := stream(b)
+			defer drop()
+			store, closeStore := open(b)
+			defer closeStore()
+			var done atomic.Int64
+			p := benchProcessor(b, "bench", store, consumer.WithObserver(func(m *consumer.Message, d consumer.Decision) {
+				if d.Action == consumer.Ack {
+					done.Add(1)
+				}
+			}))
+			c, err := NewConsumer(js, name, "bench", p, WithBatch(batch), WithBatchProcessing(), WithLogger(quiet))
+			if err != nil {
+				b.Fatal(err)
+			}
+			rate := consume(b, c, &done)
+			if s := p.Stats(); s.Applied != n {
+				b.Fatalf("applied %d of %d (stats %+v)", s.Applied, n, s)
+			}
+			return rate
+		}
+	}
+	floor := func(overlap bool) func(b *testing.B) float64 {
+		return func(b *testing.B) float64 {
+			name, drop := stream(b)
+			defer drop()
+			prefix := uniqueName(b, "") + ":"
+			defer deleteRedisPrefix(b, rc, prefix)
+			c, err := NewConsumer(js, name, "bench", benchProcessor(b, "floor", mustMem(b)),
+				WithBatch(batch), WithBatchProcessing(), WithLogger(quiet))
+			if err != nil {
+				b.Fatal(err)
+			}
+			var done atomic.Int64
+			write := func(ctx context.Context, msgs []jetstream.Msg, nx bool) bool {
+				cmds := make(rueidis.Commands, len(msgs))
+				for i, msg := range msgs {
+					k := rc.B().Set().Key(prefix + msg.Headers().Get(HeaderMsgID)).Value("x")
+					if nx {
+						cmds[i] = k.Nx().PxMilliseconds(3600_000).Build()
+					} else {
+						cmds[i] = k.PxMilliseconds(3600_000).Build()
+					}
+				}
+				for _, res := range rc.DoMulti(ctx, cmds...) {
+					if err := res.Error(); err != nil {
+						b.Error(err)
+						return false
+					}
+				}
+				return true
+			}
+			finish := func(ctx context.Context, msgs []jetstream.Msg, settled func()) {
+				defer settled()
+				if !write(ctx, msgs, false) {
+					return
+				}
+				for _, msg := range msgs {
+					c.held.remove(msg)
+					if msg.Ack() == nil {
+						done.Add(1)
+					}
+				}
+			}
+			var prev chan struct{} // the previous batch's completion, when overlapping
+			c.processBatch = func(ctx context.Context, msgs []jetstream.Msg, settled func()) {
+				if !write(ctx, msgs, true) {
+					settled()
+					return
+				}
+				if !overlap {
+					finish(ctx, msgs, settled)
+					return
+				}
+				if prev != nil {
+					<-prev // one batch's completion in flight at a time
+				}
+				mine := make(chan struct{})
+				prev = mine
+				go func() {
+					defer close(mine)
+					finish(ctx, msgs, settled)
+				}()
+			}
+			rate := consume(b, c, &done)
+			if prev != nil {
+				<-prev
+			}
+			return rate
+		}
+	}
+	redisOpen := func(b *testing.B) (dedup.Store, func()) {
+		prefix := uniqueName(b, "") + ":"
+		s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
+		if err != nil {
+			b.Fatal(err)
+		}
+		return s, func() {
+			deleteRedisPrefix(b, s.Client(), prefix)
+			s.Close()
+		}
+	}
+	memOpen := func(b *testing.B) (dedup.Store, func()) {
+		s, err := memstore.New()
+		if err != nil {
+			b.Fatal(err)
+		}
+		return s, func() { s.Close() }
+	}
+	cases := []struct {
+		name string
+		run  func(b *testing.B) float64
+	}{
+		{"memstore-batch", ours(memOpen)},
+		{"redis-batch", ours(redisOpen)},
+		{"redis-floor2", floor(false)},
+		{"redis-floor2-overlap", floor(true)},
+	}
+	if only := os.Getenv("DEDUP_BENCH_CASES"); only != "" {
+		keep := strings.Split(only, ",")
+		cases = slices.DeleteFunc(cases, func(c struct {
+			name string
+			run  func(b *testing.B) float64
+		}) bool {
+			return !slices.Contains(keep, c.name)
+		})
+	}
+	rates := map[string][]float64{}
+	ratios := map[string][]float64{}
+	for round := 0; b.Loop(); round++ {
+		b.StopTimer()
+		got := map[string]float64{}
+		for i := range cases {
+			c := cases[(i+round)%len(cases)]
+			got[c.name] = c.run(b)
+			rates[c.name] = append(rates[c.name], got[c.name])
+		}
+		line := fmt.Sprintf("round %d:", round+1)
+		for _, c := range cases {
+			line += fmt.Sprintf(" %s %.0f", c.name, got[c.name])
+			if f := got["redis-floor2"]; f > 0 && c.name != "redis-floor2" {
+				ratios[c.name] = append(ratios[c.name], got[c.name]/f)
+				line += fmt.Sprintf(" (%.2fx)", got[c.name]/f)
+			}
+		}
+		b.Log(line)
+		b.StartTimer()
+	}
+	median := func(xs []float64) float64 {
+		xs = slices.Clone(xs)
+		slices.Sort(xs)
+		return xs[len(xs)/2]
+	}
+	for _, c := range cases {
+		b.ReportMetric(median(rates[c.name]), c.name+"-msgs/s")
+		if r := ratios[c.name]; len(r) > 0 {
+			b.ReportMetric(median(r), c.name+"-x")
+		}
 	}
 }
 

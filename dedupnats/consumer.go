@@ -32,8 +32,10 @@ type Consumer struct {
 	p       *consumer.Processor
 	cfg     consumerConfig
 	process func(ctx context.Context, msg jetstream.Msg) // handle; the benchmarks' bare consumer replaces it
-	// handleBatch, with batch processing; the benchmarks' floors replace it
-	processBatch func(ctx context.Context, msgs []jetstream.Msg)
+	// handleBatch, with batch processing; the benchmarks' floors replace
+	// it. It calls settled once every message of msgs was settled, which
+	// may be after it returned.
+	processBatch func(ctx context.Context, msgs []jetstream.Msg, settled func())
 
 	mu      sync.Mutex
 	running bool
@@ -48,6 +50,7 @@ type Consumer struct {
 	freed      chan struct{} // a held message was settled
 	stopping   atomic.Bool   // the pull ended: no request of ours is pending
 	held       heldSet
+	pipe       *consumer.Pipeline // batch processing: completions overlap the next batch
 
 	stats consumerStats
 }
@@ -239,27 +242,39 @@ func (c *Consumer) loop(ctx context.Context, cons jetstream.Consumer) error {
 	chunk := 1 // messages a worker takes from the queue at once
 	if c.cfg.batchProcessing {
 		chunk = max(c.cfg.batch/2, 1)
+		c.pipe = c.p.NewPipeline(2)
+	}
+	// done frees the room of n messages settled.
+	done := func(n int) {
+		c.inflight.Add(-int64(n))
+		select {
+		case c.freed <- struct{}{}:
+		default:
+		}
 	}
 	for range c.cfg.concurrency {
 		workers.Go(func() {
-			msgs := make([]jetstream.Msg, 0, chunk)
+			var msgs []jetstream.Msg
 			for msg := range queue {
-				msgs = take(append(msgs[:0], msg), queue, chunk)
+				// A batch's messages are settled after its completion, which
+				// overlaps the next batch: each batch has its own slice.
+				msgs = take(append(make([]jetstream.Msg, 0, chunk), msg), queue, chunk)
 				switch {
 				case ctx.Err() != nil || c.stopping.Load():
 					mu.Lock()
 					unstarted = append(unstarted, msgs...)
 					mu.Unlock()
 				case c.cfg.batchProcessing:
-					c.processBatch(procCtx, msgs)
+					n := len(msgs)
+					c.processBatch(procCtx, msgs, func() { done(n) })
+					continue
 				default:
 					c.process(procCtx, msg)
 				}
-				c.inflight.Add(-int64(len(msgs)))
-				select {
-				case c.freed <- struct{}{}:
-				default:
-				}
+				done(len(msgs))
+			}
+			if c.pipe != nil {
+				c.pipe.Wait()
 			}
 		})
 	}
@@ -391,9 +406,12 @@ func (c *Consumer) handle(ctx context.Context, msg jetstream.Msg) {
 	c.settle(ctx, msg, m, d)
 }
 
-// handleBatch processes msgs in order in one batch
-// ([consumer.Processor.ProcessBatch]), then settles each as handle does.
-func (c *Consumer) handleBatch(ctx context.Context, msgs []jetstream.Msg) {
+// handleBatch processes msgs in order in one batch through the pipeline
+// ([consumer.Pipeline]: as [consumer.Processor.ProcessBatch], with this
+// batch's completion overlapping the claim of the next), then, once the
+// batch's completion returned, settles each as handle does and calls
+// settled.
+func (c *Consumer) handleBatch(ctx context.Context, msgs []jetstream.Msg, settled func()) {
 	ms := make([]*consumer.Message, len(msgs))
 	ds := make([]consumer.Decision, len(msgs))
 	run := make([]*consumer.Message, 0, len(msgs))
@@ -407,12 +425,15 @@ func (c *Consumer) handleBatch(ctx context.Context, msgs []jetstream.Msg) {
 		}
 		run, at = append(run, m), append(at, i)
 	}
-	for j, d := range c.p.ProcessBatch(ctx, run) {
-		ds[at[j]] = d
-	}
-	for i, msg := range msgs {
-		c.settle(ctx, msg, ms[i], ds[i])
-	}
+	c.pipe.Submit(ctx, run, func(rds []consumer.Decision) {
+		for j, d := range rds {
+			ds[at[j]] = d
+		}
+		for i, msg := range msgs {
+			c.settle(ctx, msg, ms[i], ds[i])
+		}
+		settled()
+	})
 }
 
 // quarantine dead-letters a message whose envelope cannot be read: no

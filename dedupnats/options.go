@@ -94,11 +94,13 @@ func WithConcurrency(n int) ConsumerOption {
 
 // WithBatchProcessing processes messages in batches instead of one at a
 // time: a worker takes every message waiting for it, up to half the batch
-// ([WithBatch]), runs them in stream order through
-// [consumer.Processor.ProcessBatch] (the dedup store sees one batch claim
-// and one batch complete instead of a claim and a complete per message;
-// one round trip each on redisstore and memstore), then settles each
-// message (ack, nak with delay or term) exactly as it would one by one.
+// ([WithBatch]), runs them in stream order through a [consumer.Pipeline]
+// (as [consumer.Processor.ProcessBatch]: the dedup store sees one batch
+// claim and one batch complete instead of a claim and a complete per
+// message, one round trip each on redisstore and memstore; and a batch's
+// completion overlaps the claim of the next), then, once the batch's
+// completion returned, settles each message (ack, nak with delay or term)
+// exactly as it would one by one.
 // Batches grow with the backlog: a message arriving on an idle stream
 // is a batch of one and waits for nothing. While a batch runs, every
 // message in it keeps getting InProgress, and its claims are extended.

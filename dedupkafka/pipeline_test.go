@@ -1,0 +1,142 @@
+package dedupkafka
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/redisstore"
+	"github.com/redis/rueidis"
+	"github.com/twmb/franz-go/pkg/kgo"
+)
+
+// heldStore is a real redisstore whose first batch completion waits for
+// release, and which counts its batch claims.
+type heldStore struct {
+	*redisstore.Store
+	claims  atomic.Int64
+	calls   atomic.Int64
+	entered chan []dedup.Completion // the held completion's items
+	release chan struct{}
+}
+
+func newHeldStore(t *testing.T) *heldStore {
+	t.Helper()
+	addrs := testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	prefix := "kpipe:" + t.Name() + ":" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
+	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		c := s.Client()
+		keys, _ := c.Do(ctx, c.B().Keys().Pattern(prefix+"*").Build()).AsStrSlice()
+		if len(keys) > 0 {
+			c.Do(ctx, c.B().Del().Key(keys...).Build())
+		}
+		s.Close()
+	})
+	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
+}
+
+func (s *heldStore) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
+	s.claims.Add(1)
+	return s.Store.ClaimBatch(ctx, reqs, lease)
+}
+
+func (s *heldStore) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
+	if s.calls.Add(1) == 1 {
+		s.entered <- items
+		<-s.release
+	}
+	return s.Store.CompleteBatch(ctx, items, ret)
+}
+
+// TestBatchPipelineCompletionLostHoldsPartition: in batch mode on Redis,
+// the second batch of a partition is claimed while the first batch's
+// completion is held, and nothing of the partition is final or committed
+// before that completion returns. The completion finds one record's lease
+// lost (its record deleted meanwhile): that record is not final, the
+// partition holds at it, no offset past it is committed until it was
+// run again, and every record ends applied (the lost one twice: its
+// record was gone) and committed.
+func TestBatchPipelineCompletionLostHoldsPartition(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 250
+	produce(t, seeds, "orders", n, 7, nil)
+	eff := newEffects()
+	store := newHeldStore(t)
+	p, err := consumer.New("kafka-pipe", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.apply(m)
+		return nil, nil
+	}, consumer.WithLogger(quiet), consumer.WithBackoff(time.Millisecond, 20*time.Millisecond),
+		consumer.WithLease(5*time.Second), consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
+	var (
+		mu   sync.Mutex
+		past int64 // the highest offset committed before m50 was applied again
+	)
+	c.cfg.crash = func(offs map[string]map[int32]kgo.EpochOffset) bool {
+		eff.mu.Lock()
+		again := eff.n["m50"] >= 2
+		eff.mu.Unlock()
+		mu.Lock()
+		defer mu.Unlock()
+		if o, ok := offs["orders"][0]; ok && !again && o.Offset > past {
+			past = o.Offset
+		}
+		return false
+	}
+	stop := run(t, c)
+
+	items := <-store.entered
+	if len(items) != 100 || items[0].Claim.Key.ID != "m0" {
+		t.Fatalf("first completion of %d items from %s, want m0..m99", len(items), items[0].Claim.Key.ID)
+	}
+	// The next batch is claimed while this completion is held.
+	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
+	if s := c.Stats(); s.Final != 0 || s.Commits != 0 {
+		t.Fatalf("stats %+v while the first completion is held: want nothing final or committed", s)
+	}
+	if got := committed(t, seeds, "g", "orders"); len(got) != 0 {
+		t.Fatalf("committed %v while the first completion is held", got)
+	}
+	rc := store.Client()
+	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(items[50].Claim.Key)).Build()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	close(store.release)
+	allCommitted(t, seeds, "g", "orders")
+	stop()
+
+	mu.Lock()
+	if past > 50 {
+		t.Errorf("offset %d committed before m50 (offset 50), whose completion failed, was run again", past)
+	}
+	mu.Unlock()
+	eff.mu.Lock()
+	for i := range n {
+		id := "m" + strconv.Itoa(i)
+		want := 1
+		if i == 50 {
+			want = 2
+		}
+		if eff.n[id] != want {
+			t.Errorf("%s took effect %d times, want %d", id, eff.n[id], want)
+		}
+	}
+	eff.mu.Unlock()
+	if s := c.Stats(); s.Held == 0 || s.Duplicates < 149 {
+		t.Errorf("stats %+v: want the partition held and m51..m199 found duplicate when run again", s)
+	}
+}

@@ -1,0 +1,114 @@
+package dedupnats
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/consumer"
+	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/redisstore"
+	"github.com/redis/rueidis"
+)
+
+// heldStore is a real redisstore whose first batch completion waits for
+// release, handing its items to the test first.
+type heldStore struct {
+	*redisstore.Store
+	calls   atomic.Int64
+	entered chan []dedup.Completion
+	release chan struct{}
+}
+
+func newHeldStore(t *testing.T) *heldStore {
+	t.Helper()
+	addrs := testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	prefix := "npipe:" + t.Name() + ":" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
+	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		c := s.Client()
+		keys, _ := c.Do(ctx, c.B().Keys().Pattern(prefix+"*").Build()).AsStrSlice()
+		if len(keys) > 0 {
+			c.Do(ctx, c.B().Del().Key(keys...).Build())
+		}
+		s.Close()
+	})
+	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
+}
+
+func (s *heldStore) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
+	if s.calls.Add(1) == 1 {
+		s.entered <- items
+		<-s.release
+	}
+	return s.Store.CompleteBatch(ctx, items, ret)
+}
+
+// TestBatchPipelineAcksAfterCompletion: with batch processing on Redis,
+// nothing of a batch is acknowledged (or negatively acknowledged) while
+// its completion is in flight; a completion that finds a lease lost (the
+// record deleted meanwhile) makes that message a Retry, Nak'd and
+// redelivered, never acknowledged as done; the others are acknowledged
+// once the completion returned.
+func TestBatchPipelineAcksAfterCompletion(t *testing.T) {
+	t.Parallel()
+	r := newRig(t)
+	store := newHeldStore(t)
+	var eff effects
+	var dec decisions
+	p, err := consumer.New("npipe", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.add(m.ID)
+		return nil, nil
+	}, consumer.WithDeadLetter(r.dlq), consumer.WithBackoff(20*time.Millisecond, 300*time.Millisecond),
+		consumer.WithObserver(dec.observe))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ids("p", 30)
+	for _, id := range want {
+		r.publish(id)
+	}
+	durable := uniqueName(t, "C")
+	c := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
+	r.start(c)
+
+	items := <-store.entered
+	if s := c.Stats(); s.Acked != 0 || s.Naked != 0 || s.Terminated != 0 {
+		t.Fatalf("stats %+v while the first batch's completion is in flight: want nothing settled", s)
+	}
+	lost := items[0].Claim.Key
+	rc := store.Client()
+	if err := rc.Do(ctxT(t), rc.B().Del().Key(store.RedisKey(lost)).Build()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	close(store.release)
+
+	eventually(t, "every message applied", func() bool { return eff.all(want) && p.Stats().Applied == uint64(len(want)) && eff.get(lost.ID) == 2 })
+	info := r.settled(durable)
+	ds := dec.of(lost.ID)
+	if len(ds) != 2 || ds[0].Action != consumer.Retry || ds[1].Action != consumer.Ack {
+		t.Errorf("%s (its record deleted under its completion): decisions %+v, want Retry then Ack", lost.ID, ds)
+	}
+	for _, id := range want {
+		n := 1
+		if id == lost.ID {
+			n = 2 // its record was lost: applied again
+		}
+		if got := eff.get(id); got != n {
+			t.Errorf("%s applied %d times, want %d", id, got, n)
+		}
+	}
+	if s := c.Stats(); s.Acked != uint64(len(want)) || s.Naked != 1 {
+		t.Errorf("stats %+v: want %d acks and one Nak", s, len(want))
+	}
+	if info.Delivered.Consumer != uint64(len(want))+1 {
+		t.Errorf("broker delivered %d times, want %d (one redelivery)", info.Delivered.Consumer, len(want)+1)
+	}
+}
