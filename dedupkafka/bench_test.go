@@ -3,6 +3,7 @@ package dedupkafka
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"strconv"
@@ -168,9 +169,9 @@ func benchMedian(xs []float64) float64 {
 
 // benchRotate runs cases in rounds, each round in a different order (the
 // round's start rotated by one), and reports each case's median rate and
-// each case's median ratio to its baseline (cases[name] -> baseline name)
-// in the same round. With -v it logs every round's figures;
-// DEDUP_BENCH_CASES (names, comma-separated) runs only those cases.
+// each case's median ratio to its baseline (cases[name] -> baseline name,
+// or several names comma-separated) in the same round. With -v it logs
+// every round's figures; DEDUP_BENCH_CASES (names, comma-separated) runs only those cases.
 func benchRotate(b *testing.B, cases []benchCase, baseline map[string]string) {
 	if only := os.Getenv("DEDUP_BENCH_CASES"); only != "" { // a comma-separated list of case names
 		cases = slices.DeleteFunc(slices.Clone(cases), func(c benchCase) bool { return !slices.Contains(strings.Split(only, ","), c.name) })
@@ -188,10 +189,20 @@ func benchRotate(b *testing.B, cases []benchCase, baseline map[string]string) {
 		line := fmt.Sprintf("round %d:", round+1)
 		for _, c := range cases {
 			line += fmt.Sprintf(" %s %.0f", c.name, got[c.name])
-			if base, ok := baseline[c.name]; ok && got[base] > 0 {
+			bases := strings.Split(baseline[c.name], ",")
+			for _, base := range bases {
+				if got[base] <= 0 {
+					continue
+				}
 				r := got[c.name] / got[base]
-				ratios[c.name] = append(ratios[c.name], r)
-				line += fmt.Sprintf(" (%.2fx)", r)
+				name := c.name // one baseline: "<case>-x"; several: "<case>/<baseline>-x"
+				if len(bases) > 1 {
+					name += "/" + base
+					line += fmt.Sprintf(" (%.2fx %s)", r, base)
+				} else {
+					line += fmt.Sprintf(" (%.2fx)", r)
+				}
+				ratios[name] = append(ratios[name], r)
 			}
 		}
 		b.Log(line)
@@ -199,9 +210,9 @@ func benchRotate(b *testing.B, cases []benchCase, baseline map[string]string) {
 	}
 	for _, c := range cases {
 		b.ReportMetric(benchMedian(rates[c.name]), c.name+"-rec/s")
-		if r := ratios[c.name]; len(r) > 0 {
-			b.ReportMetric(benchMedian(r), c.name+"-x")
-		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(ratios)) {
+		b.ReportMetric(benchMedian(ratios[name]), name+"-x")
 	}
 }
 
@@ -509,19 +520,34 @@ FROM unnest($1::text[]) k WHERE f.scope = 'bench' AND f.key = k`, pgx.QueryExecM
 	benchRotate(b, cases, map[string]string{"mem": "mem-floor", "mem-batch100": "mem-floor", "redis": "redis-floor", "pg": "pg-floor", "pg-floor-any": "pg-floor"})
 }
 
-// BenchmarkRelay publishes 20,000 PostgreSQL outbox rows (200-byte
+// relayBenchRows is the outbox rows per case of BenchmarkRelay.
+const relayBenchRows = 50000
+
+// BenchmarkRelay publishes 50,000 PostgreSQL outbox rows (200-byte
 // payloads over 1,000 aggregates, a 16-partition outbox that deletes
 // published rows) to a 16-partition topic on an in-process kfake cluster:
-// one outbox relay through the Publisher (its Outbox() adapter) against a
-// bare franz-go loop with the relay's concurrency: it reads the same rows
-// 500 at a time by id and produces them asynchronously with the same
-// headers on a client with the same producer defaults (idempotent,
-// acks=all), reading the next 500 while up to 16 batches (the relay's 16
-// partition workers, one batch of up to 500 each) await their responses;
-// no leases, no marks (one timed DELETE of all rows at the end, where the
-// relay deletes each batch it published). The cases rotate in each round
-// (-benchtime Nx = N rounds); the metrics are each case's median rows/s
-// and the relay's median ratio to the loop in the same round.
+// one outbox relay through the Publisher (its Outbox() adapter) against
+// bare franz-go loops with the relay's concurrency: each reads the same
+// rows 500 at a time by id and produces them asynchronously with the same
+// headers on a client with the same durability (idempotent, acks=all),
+// reading the next 500 while up to 16 batches (the relay's 16 partition
+// workers, one batch of up to 500 each) await their responses.
+//
+//   - bare-async-produce: franz-go's default client (10ms linger); no
+//     leases, no marks, one timed DELETE of all rows at the end.
+//   - bare-linger0: the same on a client with linger 0 (the Publisher's
+//     default).
+//   - bare-mark: bare-linger0 plus the relay's required mark: once a
+//     batch's records are all acknowledged, one DELETE of its ids (the
+//     batch's slot frees after it), no final DELETE. Still no leases, no
+//     partitioned reads, no fencing.
+//   - relay-linger10ms: the relay through a Publisher given franz-go's
+//     default linger back (kgo.ProducerLinger(10ms)), as before linger 0
+//     became the Publisher's default.
+//
+// The cases rotate in each round (-benchtime Nx = N rounds); the metrics
+// are each case's median rows/s and the relay's median ratio to each loop
+// in the same round.
 func BenchmarkRelay(b *testing.B) {
 	const keys = 1000
 	c, err := kfake.NewCluster(kfake.NumBrokers(1))
@@ -564,7 +590,7 @@ func BenchmarkRelay(b *testing.B) {
 			b.Fatal(err)
 		}
 		_, err := pool.Exec(ctx, `INSERT INTO `+table+` (message_key, aggregate, topic, payload)
-SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x', 200), 'UTF8') FROM generate_series(1, $1) g`, storeBenchRecords, keys, topic)
+SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x', 200), 'UTF8') FROM generate_series(1, $1) g`, relayBenchRows, keys, topic)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -574,88 +600,120 @@ SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x
 		b.Fatal(err)
 	}
 	defer pub.Close()
-	bare, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.RecordDeliveryTimeout(30*time.Second))
+	bareDefault, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.RecordDeliveryTimeout(30*time.Second))
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer bare.Close()
+	defer bareDefault.Close()
+	bareLinger0, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.RecordDeliveryTimeout(30*time.Second), kgo.ProducerLinger(0))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer bareLinger0.Close()
 
-	cases := []benchCase{
-		{"bare-async-produce", func(b *testing.B) float64 {
-			fill(b)
-			start := time.Now()
-			inflight := make(chan struct{}, src.Partitions())
-			var wg sync.WaitGroup
-			var failed atomic.Value
-			var last int64
-			for done := 0; done < storeBenchRecords; {
-				rows, err := pool.Query(ctx, `SELECT id, message_key, aggregate, topic, payload FROM `+table+` WHERE id > $1 ORDER BY id LIMIT 500`, last)
-				if err != nil {
-					b.Fatal(err)
-				}
-				var batch []*kgo.Record
-				for rows.Next() {
-					var key, agg, tp string
-					var payload []byte
-					if err := rows.Scan(&last, &key, &agg, &tp, &payload); err != nil {
-						b.Fatal(err)
-					}
-					batch = append(batch, &kgo.Record{Topic: tp, Key: []byte(agg), Value: payload, Headers: []kgo.RecordHeader{
-						{Key: HeaderMsgID, Value: []byte(key)}, {Key: HeaderAggregate, Value: []byte(agg)}}})
-				}
-				rows.Close()
-				if err := rows.Err(); err != nil {
-					b.Fatal(err)
-				}
-				done += len(batch)
-				inflight <- struct{}{} // a batch slot, as a relay partition worker
-				var left atomic.Int64
-				left.Store(int64(len(batch)))
-				wg.Add(len(batch))
-				for _, r := range batch {
-					bare.Produce(ctx, r, func(_ *kgo.Record, err error) {
-						if err != nil {
-							failed.Store(err)
-						}
-						if left.Add(-1) == 0 {
-							<-inflight
-						}
-						wg.Done()
-					})
-				}
-			}
-			wg.Wait()
-			if err, _ := failed.Load().(error); err != nil {
-				b.Fatal(err)
-			}
-			if _, err := pool.Exec(ctx, `DELETE FROM `+table); err != nil {
-				b.Fatal(err)
-			}
-			return storeBenchRecords / time.Since(start).Seconds()
-		}},
-		{"relay", func(b *testing.B) float64 {
-			rl, err := outbox.NewRelay(src, pub.Outbox(), outbox.WithRelayID("kbench"), outbox.WithPollInterval(5*time.Millisecond),
-				outbox.WithLeaseTTL(2*time.Second))
+	// bare is the bare loop on cl; with mark, each batch's ids are
+	// deleted once its records are acknowledged, else all rows at the end.
+	bare := func(b *testing.B, cl *kgo.Client, mark bool) float64 {
+		fill(b)
+		start := time.Now()
+		inflight := make(chan struct{}, src.Partitions())
+		var wg sync.WaitGroup
+		var failed atomic.Value
+		var last int64
+		for done := 0; done < relayBenchRows; {
+			rows, err := pool.Query(ctx, `SELECT id, message_key, aggregate, topic, payload FROM `+table+` WHERE id > $1 ORDER BY id LIMIT 500`, last)
 			if err != nil {
 				b.Fatal(err)
 			}
-			rctx, cancel := context.WithCancel(ctx)
-			var wg sync.WaitGroup
-			wg.Go(func() { _ = rl.Run(rctx) })
-			for rl.Stats().Partitions < src.Partitions() {
-				time.Sleep(time.Millisecond)
+			var batch []*kgo.Record
+			var ids []int64
+			for rows.Next() {
+				var key, agg, tp string
+				var payload []byte
+				if err := rows.Scan(&last, &key, &agg, &tp, &payload); err != nil {
+					b.Fatal(err)
+				}
+				ids = append(ids, last)
+				batch = append(batch, &kgo.Record{Topic: tp, Key: []byte(agg), Value: payload, Headers: []kgo.RecordHeader{
+					{Key: HeaderMsgID, Value: []byte(key)}, {Key: HeaderAggregate, Value: []byte(agg)}}})
 			}
-			before := rl.Stats().Published
-			fill(b)
-			start := time.Now()
-			for rl.Stats().Published-before < storeBenchRecords {
-				time.Sleep(time.Millisecond)
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				b.Fatal(err)
 			}
-			took := time.Since(start)
-			cancel()
-			wg.Wait()
-			return storeBenchRecords / took.Seconds()
-		}},
+			done += len(batch)
+			inflight <- struct{}{} // a batch slot, as a relay partition worker
+			var left atomic.Int64
+			left.Store(int64(len(batch)))
+			wg.Add(1)
+			for _, r := range batch {
+				cl.Produce(ctx, r, func(_ *kgo.Record, err error) {
+					if err != nil {
+						failed.Store(err)
+					}
+					if left.Add(-1) != 0 {
+						return
+					}
+					if !mark {
+						<-inflight
+						wg.Done()
+						return
+					}
+					go func() { // not on franz-go's callback goroutine
+						defer wg.Done()
+						if _, err := pool.Exec(ctx, `DELETE FROM `+table+` WHERE id = ANY($1::int8[])`, ids); err != nil {
+							failed.Store(err)
+						}
+						<-inflight
+					}()
+				})
+			}
+		}
+		wg.Wait()
+		if err, _ := failed.Load().(error); err != nil {
+			b.Fatal(err)
+		}
+		if !mark {
+			if _, err := pool.Exec(ctx, `DELETE FROM `+table); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return relayBenchRows / time.Since(start).Seconds()
 	}
-	benchRotate(b, cases, map[string]string{"relay": "bare-async-produce"})
+	pub10, err := NewPublisher(seeds, WithProducerOptions(kgo.ProducerLinger(10*time.Millisecond)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pub10.Close()
+	relay := func(b *testing.B, pub *Publisher) float64 {
+		rl, err := outbox.NewRelay(src, pub.Outbox(), outbox.WithRelayID("kbench"), outbox.WithPollInterval(5*time.Millisecond),
+			outbox.WithLeaseTTL(2*time.Second))
+		if err != nil {
+			b.Fatal(err)
+		}
+		rctx, cancel := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Go(func() { _ = rl.Run(rctx) })
+		for rl.Stats().Partitions < src.Partitions() {
+			time.Sleep(time.Millisecond)
+		}
+		before := rl.Stats().Published
+		fill(b)
+		start := time.Now()
+		for rl.Stats().Published-before < relayBenchRows {
+			time.Sleep(time.Millisecond)
+		}
+		took := time.Since(start)
+		cancel()
+		wg.Wait()
+		return relayBenchRows / took.Seconds()
+	}
+	cases := []benchCase{
+		{"bare-async-produce", func(b *testing.B) float64 { return bare(b, bareDefault, false) }},
+		{"bare-linger0", func(b *testing.B) float64 { return bare(b, bareLinger0, false) }},
+		{"bare-mark", func(b *testing.B) float64 { return bare(b, bareLinger0, true) }},
+		{"relay", func(b *testing.B) float64 { return relay(b, pub) }},
+		{"relay-linger10ms", func(b *testing.B) float64 { return relay(b, pub10) }},
+	}
+	benchRotate(b, cases, map[string]string{"relay": "bare-async-produce,bare-linger0,bare-mark", "relay-linger10ms": "bare-async-produce"})
 }

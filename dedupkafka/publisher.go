@@ -4,9 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/dedupkit/dedup/consumer"
@@ -38,7 +38,10 @@ func WithDeliveryTimeout(d time.Duration) PublisherOption {
 // WithProducerOptions adds franz-go options to the publisher's client
 // (TLS, SASL, linger, compression, a partitioner). Options that would
 // weaken the guarantees are refused by [NewPublisher]: it checks that the
-// client stays idempotent with acks=all. Default none.
+// client stays idempotent with acks=all. Default none, except that the
+// publisher's client lingers 0 (kgo.ProducerLinger(0), not franz-go's
+// 10ms): its callers wait for each batch, so a linger only delays it; a
+// kgo.ProducerLinger passed here overrides that.
 func WithProducerOptions(opts ...kgo.Opt) PublisherOption {
 	return publisherOption(func(c *publisherConfig) { c.kopts = append(c.kopts, opts...) })
 }
@@ -69,7 +72,13 @@ func NewPublisher(brokers []string, opts ...PublisherOption) (*Publisher, error)
 	if cfg.delivery <= 0 {
 		return nil, bad("delivery timeout", "must be positive, got "+cfg.delivery.String())
 	}
-	kopts := append(slices.Clone(cfg.kopts), kgo.SeedBrokers(brokers...), kgo.RecordDeliveryTimeout(cfg.delivery))
+	// Linger 0 before the caller's options (a later option wins): a
+	// publisher's callers hand over whole batches and wait for them, so
+	// franz-go's default linger (10ms) would only delay each batch; with
+	// one produce request in flight per broker, the records buffered
+	// meanwhile still go out together in the next one.
+	kopts := append([]kgo.Opt{kgo.ProducerLinger(0)}, cfg.kopts...)
+	kopts = append(kopts, kgo.SeedBrokers(brokers...), kgo.RecordDeliveryTimeout(cfg.delivery))
 	cl, err := kgo.NewClient(kopts...)
 	if err != nil {
 		return nil, fmt.Errorf("dedupkafka: new producer: %w", err)
@@ -165,43 +174,92 @@ type outboxPublisher struct{ p *Publisher }
 // client in order (the idempotent producer keeps each partition's order
 // across its own retries), then every produce response is awaited. A
 // record is reported acknowledged only when its response said so.
+//
+// The batch's records, their headers and the bytes of their keys and IDs
+// are each allocated once for the whole batch (the record key and the
+// Dedup-Aggregate header share their bytes; franz-go does not modify
+// them), so that a record costs the client's own work and one callback.
 func (o outboxPublisher) Publish(ctx context.Context, batch []outbox.Message, results []error) {
-	var wg sync.WaitGroup
-	failed := map[string]bool{} // keys whose send failed before it left
+	nh, nb := 0, 0
+	for i := range batch {
+		m := &batch[i]
+		nh += 2 + len(m.Headers)
+		nb += len(m.ID) + len(m.Key)
+		for k, v := range m.Headers {
+			if k != HeaderMsgID && k != HeaderAggregate {
+				nb += len(v)
+			}
+		}
+	}
+	recs := make([]kgo.Record, len(batch))
+	hdrs := make([]kgo.RecordHeader, 0, nh)
+	buf := make([]byte, 0, nb)
+	bytesOf := func(s string) []byte {
+		at := len(buf)
+		buf = append(buf, s...)
+		return buf[at:len(buf):len(buf)]
+	}
+	st := &publishWait{batch: batch, results: results, done: make(chan struct{})}
+	var failed map[string]bool // keys whose send failed before it left
+	st.left.Store(1)           // this goroutine's hold, dropped after the last Produce
 	for i := range batch {
 		m := &batch[i]
 		if failed[m.Key] {
 			results[i] = outbox.ErrNotSent
 			continue
 		}
-		r := &kgo.Record{Topic: m.Topic, Key: []byte(m.Key), Value: m.Payload}
-		r.Headers = make([]kgo.RecordHeader, 0, len(m.Headers)+2)
-		r.Headers = append(r.Headers, kgo.RecordHeader{Key: HeaderMsgID, Value: []byte(m.ID)})
-		if m.Key != "" {
-			r.Headers = append(r.Headers, kgo.RecordHeader{Key: HeaderAggregate, Value: []byte(m.Key)})
-		}
-		for k, v := range m.Headers {
-			if k != HeaderMsgID && k != HeaderAggregate {
-				r.Headers = append(r.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
-			}
-		}
 		if !validTopic(m.Topic) {
 			results[i] = outbox.Permanent(bad("topic", strconv.Quote(m.Topic)+" is not a topic name"))
+			if failed == nil {
+				failed = map[string]bool{}
+			}
 			failed[m.Key] = true
 			continue
 		}
-		wg.Add(1)
-		o.p.cl.Produce(ctx, r, func(_ *kgo.Record, err error) {
-			if err != nil {
-				pe := &ProduceError{Topic: m.Topic, ID: m.ID, Err: err}
-				if pe.Permanent() {
-					results[i] = outbox.Permanent(pe)
-				} else {
-					results[i] = pe
-				}
+		r := &recs[i]
+		r.Topic, r.Value = m.Topic, m.Payload
+		at := len(hdrs)
+		hdrs = append(hdrs, kgo.RecordHeader{Key: HeaderMsgID, Value: bytesOf(m.ID)})
+		if m.Key != "" {
+			r.Key = bytesOf(m.Key)
+			hdrs = append(hdrs, kgo.RecordHeader{Key: HeaderAggregate, Value: r.Key})
+		} else {
+			r.Key = []byte{}
+		}
+		for k, v := range m.Headers {
+			if k != HeaderMsgID && k != HeaderAggregate {
+				hdrs = append(hdrs, kgo.RecordHeader{Key: k, Value: bytesOf(v)})
 			}
-			wg.Done()
-		})
+		}
+		r.Headers = hdrs[at:len(hdrs):len(hdrs)]
+		st.left.Add(1)
+		o.p.cl.Produce(ctx, r, func(_ *kgo.Record, err error) { st.finish(i, err) })
 	}
-	wg.Wait()
+	st.finish(-1, nil)
+	<-st.done
+}
+
+// publishWait collects a batch's produce outcomes; done is closed when
+// the last one arrived.
+type publishWait struct {
+	batch   []outbox.Message
+	results []error
+	left    atomic.Int64
+	done    chan struct{}
+}
+
+// finish records the outcome of batch[i] (i < 0: the producing
+// goroutine's own hold) and closes done after the last one.
+func (w *publishWait) finish(i int, err error) {
+	if i >= 0 && err != nil {
+		pe := &ProduceError{Topic: w.batch[i].Topic, ID: w.batch[i].ID, Err: err}
+		if pe.Permanent() {
+			w.results[i] = outbox.Permanent(pe)
+		} else {
+			w.results[i] = pe
+		}
+	}
+	if w.left.Add(-1) == 0 {
+		close(w.done)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -114,5 +115,92 @@ func TestNewPublisherRefusesWeakening(t *testing.T) {
 	}
 	if _, err := NewPublisher(nil); err == nil {
 		t.Error("no brokers accepted")
+	}
+}
+
+// The publisher lingers 0 unless told otherwise: the relay waits for each
+// batch, so franz-go's default linger only delayed it.
+func TestPublisherLingerDefault(t *testing.T) {
+	for _, c := range []struct {
+		opts []PublisherOption
+		want time.Duration
+	}{{nil, 0}, {[]PublisherOption{WithProducerOptions(kgo.ProducerLinger(5 * time.Millisecond))}, 5 * time.Millisecond}} {
+		p, err := NewPublisher([]string{"127.0.0.1:1"}, c.opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := p.Client().OptValue(kgo.ProducerLinger).(time.Duration)
+		p.Close()
+		if got != c.want {
+			t.Errorf("linger %v, want %v", got, c.want)
+		}
+	}
+}
+
+// Each record of a batch carries its own ID, key, aggregate and headers
+// (they share one buffer per batch), an empty key stays an empty key, not
+// a null one, and each key's records reach its partition in batch order.
+func TestOutboxRecordsOfABatch(t *testing.T) {
+	_, seeds := cluster(t, 4, "events")
+	pub, err := NewPublisher(seeds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	batch := outboxBatch(200, 7, "events")
+	batch[5].Key = ""
+	batch[6].Headers = map[string]string{HeaderMsgID: "forged", HeaderAggregate: "forged", "a": "1", "b": ""}
+	res := make([]error, len(batch))
+	pub.Outbox().Publish(context.Background(), batch, res)
+	for i, err := range res {
+		if err != nil {
+			t.Fatalf("message %d: %v", i, err)
+		}
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.ConsumeTopics("events"), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	byID := map[string]*kgo.Record{}
+	last := map[string]int{} // key -> index in batch of its last record seen
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for len(byID) < len(batch) {
+		fs := cl.PollFetches(ctx)
+		if err := ctx.Err(); err != nil {
+			t.Fatalf("%d of %d records read: %v", len(byID), len(batch), err)
+		}
+		fs.EachRecord(func(r *kgo.Record) {
+			h := map[string]string{}
+			for _, x := range r.Headers {
+				if _, dup := h[x.Key]; dup {
+					t.Errorf("record %s: header %s twice", r.Key, x.Key)
+				}
+				h[x.Key] = string(x.Value)
+			}
+			id := h[HeaderMsgID]
+			var i int
+			if _, err := fmt.Sscanf(id, "m%d", &i); err != nil || i >= len(batch) {
+				t.Fatalf("record with ID %q", id)
+			}
+			m := batch[i]
+			if r.Key == nil || string(r.Key) != m.Key || (m.Key != "" && h[HeaderAggregate] != m.Key) {
+				t.Errorf("%s: key %q (nil %v), aggregate %q; want %q", id, r.Key, r.Key == nil, h[HeaderAggregate], m.Key)
+			}
+			if string(r.Value) != string(m.Payload) {
+				t.Errorf("%s: value %q, want %q", id, r.Value, m.Payload)
+			}
+			for k, v := range m.Headers {
+				if k != HeaderMsgID && k != HeaderAggregate && h[k] != v {
+					t.Errorf("%s: header %s = %q, want %q", id, k, h[k], v)
+				}
+			}
+			if j, ok := last[m.Key]; ok && j >= i {
+				t.Errorf("key %q: %s after m%d", m.Key, id, j)
+			}
+			last[m.Key] = i
+			byID[id] = r
+		})
 	}
 }
