@@ -19,6 +19,7 @@ package memstore
 import (
 	"context"
 	"hash/maphash"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,7 +32,7 @@ const storeName = "memory"
 // Store is an in-memory dedup store. It is safe for concurrent use.
 type Store struct {
 	shards   []shard
-	mask     uint64
+	shift    uint // a key's hash >> shift is its shard
 	seed     maphash.Seed
 	clock    dedup.Clock
 	base     time.Time // times are kept as nanoseconds since base
@@ -41,119 +42,261 @@ type Store struct {
 	closed   atomic.Bool
 	evicted  atomic.Int64
 	maxBytes int64        // 0: no byte bound
-	bytes    atomic.Int64 // the records' sizes, by recordSize
+	bytes    atomic.Int64 // the records' sizes, kept only when maxBytes > 0
 }
 
-// A shard keeps the records of one scope, the first it was given, in a
-// map by ID (24 bytes an entry, one string hashed and compared), and those
-// of any other scope in a map by Key (40 bytes an entry): most stores
-// serve one scope, or a few.
+// A shard is an open-addressing table (linear probing, backward-shift
+// deletion, at most 3/4 full) of 8-byte slots, each the low 32 bits of its
+// key's hash beside the index of its record, over records kept in chunks.
+// A lookup hashes the key once (the top bits picked the shard, the low
+// bits pick the slot), compares slot words until the hash matches, and
+// then compares the one record the slot points to: one probe, no pointer
+// chasing beyond the record itself. Records never move (a growing table
+// moves slot words only), so a slot's index stays valid until the record
+// is dropped.
+//
+// Keys of the shard's first scope are found by ID alone; any other scope
+// gets a small number (counted by its records, forgotten when the last
+// goes) that is mixed into the hash and kept in the record.
 type shard struct {
-	mu    sync.Mutex
-	scope string                // the scope of byID's keys; "" until the first record
-	byID  map[string]*record    // records of scope, by ID
-	other map[dedup.Key]*record // records of other scopes; nil until one comes
-	slab  []record              // records not handed out yet
-	free  []*record             // records given back, handed out first
-	next  int                   // length of the next slab
-	_     [32]byte              // keep shards on separate cache lines (128 bytes each)
+	mu     sync.Mutex
+	slots  []uint64   // hash<<32 | record index+1; 0 is empty
+	chunks [][]record // record i is chunks[i>>chunkBits][i&chunkMask]
+	scope  string     // the scope of number 0; "" until the first record
+	n      int        // records in the table
+	top    uint32     // records handed out of the chunks so far
+	free   uint32     // first record of the free list, +1; 0: none
+	bytes  int64      // the records' sizes, by size
+	multi  *scopes    // scopes other than scope; nil until one comes
+	_      [24]byte   // keep shards on separate cache lines (128 bytes each)
 }
 
-func (sh *shard) get(k dedup.Key) (*record, bool) {
-	if k.Scope == sh.scope {
-		r, ok := sh.byID[k.ID]
-		return r, ok
+// scopes numbers a shard's other scopes from 1.
+type scopes struct {
+	ids   map[string]uint32
+	names []string // by number - 1; "" when free
+	refs  []int32  // records by number - 1
+	free  []uint32 // numbers given back
+}
+
+const (
+	minSlots  = 8
+	chunkBits = 8
+	chunkLen  = 1 << chunkBits
+	chunkMask = chunkLen - 1
+	// maxPerShard bounds a shard's records: scope numbers take 28 bits of
+	// a record's meta, record indexes 32 bits of a slot.
+	maxPerShard = 1 << 28
+)
+
+// reset empties sh (its lock aside).
+func (sh *shard) reset() {
+	sh.slots = make([]uint64, minSlots)
+	sh.chunks, sh.scope, sh.multi = nil, "", nil
+	sh.n, sh.top, sh.free, sh.bytes = 0, 0, 0, 0
+}
+
+// rec returns record i.
+func (sh *shard) rec(i uint32) *record { return &sh.chunks[i>>chunkBits][i&chunkMask] }
+
+// mix is the hash of an ID in scope number sid.
+func mix(h uint64, sid uint32) uint64 { return h ^ uint64(sid)*0x9e3779b97f4a7c15 }
+
+// scopeID returns the number of scope in sh, if it has one.
+func (sh *shard) scopeID(scope string) (uint32, bool) {
+	if scope == sh.scope {
+		return 0, true
 	}
-	r, ok := sh.other[k]
-	return r, ok
+	if sh.multi == nil {
+		return 0, false
+	}
+	id, ok := sh.multi.ids[scope]
+	return id, ok
 }
 
-func (sh *shard) put(k dedup.Key, r *record) {
+// addScope numbers a scope that scopeID did not find.
+func (sh *shard) addScope(scope string) uint32 {
 	if sh.scope == "" {
-		sh.scope = k.Scope
+		sh.scope = scope
+		return 0
 	}
-	if k.Scope == sh.scope {
-		sh.byID[k.ID] = r
-		return
+	m := sh.multi
+	if m == nil {
+		m = &scopes{ids: make(map[string]uint32)}
+		sh.multi = m
 	}
-	if sh.other == nil {
-		sh.other = make(map[dedup.Key]*record)
-	}
-	sh.other[k] = r
-}
-
-func (sh *shard) del(k dedup.Key) {
-	if k.Scope == sh.scope {
-		delete(sh.byID, k.ID)
+	var id uint32
+	if n := len(m.free); n > 0 {
+		id = m.free[n-1]
+		m.free = m.free[:n-1]
+		m.names[id-1] = scope
 	} else {
-		delete(sh.other, k)
+		m.names = append(m.names, scope)
+		m.refs = append(m.refs, 0)
+		id = uint32(len(m.names))
 	}
+	m.ids[scope] = id
+	return id
 }
 
-func (sh *shard) len() int { return len(sh.byID) + len(sh.other) }
+// scopeName returns the scope of number sid.
+func (sh *shard) scopeName(sid uint32) string {
+	if sid == 0 {
+		return sh.scope
+	}
+	return sh.multi.names[sid-1]
+}
 
-// sample calls f on up to n records (each map's iteration starts at a
-// random place), taking from each map in proportion to its size, until f
-// returns false. f may delete the record it is given.
-func (sh *shard) sample(n int, f func(k dedup.Key, r *record) bool) {
-	total := sh.len()
-	if total == 0 {
+// unref counts one record of scope number sid gone.
+func (sh *shard) unref(sid uint32) {
+	if sid == 0 {
 		return
 	}
-	fromID := (n*len(sh.byID) + total - 1) / total
-	seen := 0
-	for id, r := range sh.byID {
-		if seen == fromID {
-			break
-		}
-		seen++
-		if !f(dedup.Key{Scope: sh.scope, ID: id}, r) {
-			return
-		}
+	m := sh.multi
+	if m.refs[sid-1]--; m.refs[sid-1] == 0 {
+		delete(m.ids, m.names[sid-1])
+		m.names[sid-1] = ""
+		m.free = append(m.free, sid)
 	}
-	for k, r := range sh.other {
-		if seen >= n {
-			break
+}
+
+// find looks up the record of ID id in scope number sid, whose hash is hs.
+// It returns the slot that holds it, or the empty slot where the probe
+// ended (where the key would go) and false.
+func (sh *shard) find(hs uint64, sid uint32, id string) (pos uint64, ri uint32, ok bool) {
+	mask := uint64(len(sh.slots) - 1)
+	tag := hs << 32
+	for i := hs & mask; ; i = (i + 1) & mask {
+		w := sh.slots[i]
+		if w == 0 {
+			return i, 0, false
 		}
-		seen++
-		if !f(k, r) {
-			return
+		if w&^0xffffffff == tag {
+			ri := uint32(w) - 1
+			r := sh.rec(ri)
+			if r.meta>>scopeShift == sid && r.id == id {
+				return i, ri, true
+			}
 		}
 	}
 }
 
-// all calls f on every record until f returns false. f may delete the
-// record it is given.
-func (sh *shard) all(f func(k dedup.Key, r *record) bool) {
-	for id, r := range sh.byID {
-		if !f(dedup.Key{Scope: sh.scope, ID: id}, r) {
-			return
-		}
-	}
-	for k, r := range sh.other {
-		if !f(k, r) {
-			return
+// slotOf returns the slot that holds record ri, whose hash is hs.
+func (sh *shard) slotOf(hs uint64, ri uint32) uint64 {
+	mask := uint64(len(sh.slots) - 1)
+	for i := hs & mask; ; i = (i + 1) & mask {
+		if uint32(sh.slots[i]) == ri+1 {
+			return i
 		}
 	}
 }
 
-// A record is 72 bytes, allocated from its shard's slabs (no allocation
-// per key, no size-class rounding) and reused once dropped. A fingerprint
+// emptySlot returns the first empty slot of hs's probe sequence.
+func (sh *shard) emptySlot(hs uint64) uint64 {
+	mask := uint64(len(sh.slots) - 1)
+	i := hs & mask
+	for sh.slots[i] != 0 {
+		i = (i + 1) & mask
+	}
+	return i
+}
+
+// grow doubles the table. Slot words carry their hash, so nothing is
+// hashed again and no record moves.
+func (sh *shard) grow() {
+	slots := make([]uint64, 2*len(sh.slots))
+	mask := uint64(len(slots) - 1)
+	for _, w := range sh.slots {
+		if w == 0 {
+			continue
+		}
+		i := w >> 32 & mask
+		for slots[i] != 0 {
+			i = (i + 1) & mask
+		}
+		slots[i] = w
+	}
+	sh.slots = slots
+}
+
+// removeSlot empties slot i and shifts back the slots after it that
+// belong before it, so that every key stays reachable from its home slot
+// without tombstones.
+func (sh *shard) removeSlot(i uint64) {
+	mask := uint64(len(sh.slots) - 1)
+	for {
+		sh.slots[i] = 0
+		j := i
+		for {
+			j = (j + 1) & mask
+			w := sh.slots[j]
+			if w == 0 {
+				return
+			}
+			// w may fill the hole at i unless its home lies cyclically
+			// in (i, j].
+			if home := w >> 32 & mask; (j-home)&mask >= (j-i)&mask {
+				sh.slots[i] = w
+				i = j
+				break
+			}
+		}
+	}
+}
+
+// alloc hands out a zero record: one given back if there is one, else the
+// next of the chunks. The first chunk starts at 4 records and doubles up
+// to 256, so a store of few keys stays small; later chunks have 256. It
+// may move the first chunk: no *record may be held across it.
+func (sh *shard) alloc() uint32 {
+	if sh.free != 0 {
+		i := sh.free - 1
+		r := sh.rec(i)
+		sh.free = uint32(r.until)
+		r.until = 0
+		return i
+	}
+	i := sh.top
+	switch c := int(i >> chunkBits); {
+	case c == 0 && len(sh.chunks) == 0:
+		sh.chunks = append(sh.chunks, make([]record, 4))
+	case c == 0 && int(i) == len(sh.chunks[0]):
+		first := make([]record, 2*i)
+		copy(first, sh.chunks[0])
+		sh.chunks[0] = first
+	case c == len(sh.chunks):
+		sh.chunks = append(sh.chunks, make([]record, chunkLen))
+	}
+	sh.top++
+	return i
+}
+
+// A record is 88 bytes, kept in its shard's chunks (no allocation per
+// key, no size-class rounding) and reused once dropped. A fingerprint
 // made by [dedup.FingerprintOf] (or its siblings) is kept as its 32-byte
 // SHA-256 digest, not as its 71-byte text; any other fingerprint, and a
 // result, go in a separate allocation that most records do without.
 type record struct {
-	token     dedup.Token
-	digest    [32]byte // the fingerprint's SHA-256 when fpKind is fpDigest
-	until     int64    // lease end while in progress, expiry once completed
-	attempt   int32
-	completed bool
-	fpKind    uint8
-	more      *extra // nil unless a result or an fpString fingerprint is kept
+	id      string // the key's ID; "" while the record is free
+	until   int64  // lease end while in progress, expiry once completed; next free+1 while free
+	token   dedup.Token
+	attempt int32
+	meta    uint32   // scope number<<scopeShift | extraBit | completedBit | fingerprint kind
+	digest  [32]byte // the fingerprint's SHA-256 when its kind is fpDigest
+	more    *extra   // nil unless a result or an fpString fingerprint is kept
 }
 
+const (
+	kindMask     = 3
+	completedBit = 4
+	extraBit     = 8 // more is set: read it only then, it is on the record's far side
+	scopeShift   = 4
+)
+
+func (r *record) completed() bool { return r.meta&completedBit != 0 }
+
 type extra struct {
-	fp     dedup.Fingerprint // when fpKind is fpString
+	fp     dedup.Fingerprint // when the kind is fpString
 	result []byte
 }
 
@@ -168,7 +311,7 @@ const (
 // when it has one.
 type print struct {
 	fp     dedup.Fingerprint
-	kind   uint8
+	kind   uint32
 	digest [32]byte
 }
 
@@ -212,10 +355,11 @@ func unhex(c byte) (byte, bool) {
 
 // matches is [dedup.Fingerprint.Matches] of p against r's fingerprint.
 func (r *record) matches(p *print) bool {
+	kind := r.meta & kindMask
 	switch {
-	case p.kind == fpNone || r.fpKind == fpNone:
+	case p.kind == fpNone || kind == fpNone:
 		return true
-	case p.kind != r.fpKind:
+	case p.kind != kind:
 		return false
 	case p.kind == fpDigest:
 		return p.digest == r.digest
@@ -223,55 +367,76 @@ func (r *record) matches(p *print) bool {
 	return p.fp == r.more.fp
 }
 
-// setPrint stores p as r's fingerprint.
-func (r *record) setPrint(p *print) {
-	r.fpKind, r.digest = p.kind, p.digest
-	if p.kind == fpString {
-		r.more = &extra{fp: p.fp}
+// acquire makes r a new claim of the record's key with fingerprint p
+// (dropping any result or fingerprint it kept), and returns how many bytes
+// its size changed by.
+func (r *record) acquire(p *print, token dedup.Token, until int64, attempt int32) int64 {
+	before := r.extraSize()
+	r.token, r.until, r.attempt = token, until, attempt
+	r.meta = r.meta>>scopeShift<<scopeShift | p.kind
+	if p.kind == fpDigest {
+		r.digest = p.digest
 	}
+	if before != 0 {
+		r.more = nil
+	}
+	if p.kind == fpString {
+		r.setExtra(&extra{fp: p.fp})
+	}
+	return r.extraSize() - before
+}
+
+func (r *record) setExtra(x *extra) {
+	r.more = x
+	r.meta |= extraBit
 }
 
 func (r *record) result() []byte {
-	if r.more == nil {
+	if r.meta&extraBit == 0 {
 		return nil
 	}
 	return r.more.result
 }
 
-// size is what WithMaxBytes counts for r under key k.
-func (r *record) size(k dedup.Key) int64 {
-	n := int64(RecordOverhead + len(k.Scope) + len(k.ID))
-	if r.more != nil {
-		n += extraSize + int64(len(r.more.fp)+len(r.more.result))
+// extraSize is what WithMaxBytes counts for r beyond RecordOverhead and
+// its key.
+func (r *record) extraSize() int64 {
+	if r.meta&extraBit == 0 {
+		return 0
 	}
-	return n
+	return extraOverhead + int64(len(r.more.fp)+len(r.more.result))
 }
 
-// extraSize is the size of an extra, counted when a record has one.
-const extraSize = 48
+// extraOverhead is the size of an extra, counted when a record has one.
+const extraOverhead = 48
 
-// alloc hands out a zero record from the shard's slabs. Slabs start small
-// and double up to 256 records, so a store of few keys stays small.
-func (sh *shard) alloc() *record {
-	if n := len(sh.free); n > 0 {
-		r := sh.free[n-1]
-		sh.free[n-1] = nil
-		sh.free = sh.free[:n-1]
-		return r
+// addBytes counts d more bytes held in sh.
+func (s *Store) addBytes(sh *shard, d int64) {
+	sh.bytes += d
+	if s.maxBytes > 0 {
+		s.bytes.Add(d)
 	}
-	if len(sh.slab) == 0 {
-		sh.next = min(max(2*sh.next, 4), 256)
-		sh.slab = make([]record, sh.next)
-	}
-	r := &sh.slab[0]
-	sh.slab = sh.slab[1:]
-	return r
 }
 
-// recycle gives r back for reuse.
-func (sh *shard) recycle(r *record) {
-	*r = record{}
-	sh.free = append(sh.free, r)
+// drop deletes record ri, held in slot pos, from sh: the slot is emptied,
+// its bytes uncounted and the record put on the free list.
+func (s *Store) drop(sh *shard, pos uint64, ri uint32) {
+	sh.removeSlot(pos)
+	r := sh.rec(ri)
+	sid := r.meta >> scopeShift
+	s.addBytes(sh, -(RecordOverhead + int64(len(sh.scopeName(sid))+len(r.id)) + r.extraSize()))
+	sh.unref(sid)
+	*r = record{until: int64(sh.free)}
+	sh.free = ri + 1
+	sh.n--
+}
+
+// dropRecord drops record ri, found without its slot (by a scan of the
+// records): its key is hashed again to find the slot.
+func (s *Store) dropRecord(sh *shard, ri uint32) {
+	r := sh.rec(ri)
+	sid := r.meta >> scopeShift
+	s.drop(sh, sh.slotOf(mix(maphash.String(s.seed, r.id), sid), ri), ri)
 }
 
 type config struct {
@@ -293,7 +458,8 @@ func (f option) apply(c *config) { f(c) }
 // dedup.SystemClock{}.
 func WithClock(c dedup.Clock) Option { return option(func(cfg *config) { cfg.clock = c }) }
 
-// WithCapacity bounds the number of records. Default 1,000,000.
+// WithCapacity bounds the number of records. Default 1,000,000. A shard
+// holds at most 2^28 records.
 func WithCapacity(n int) Option { return option(func(cfg *config) { cfg.capacity = n }) }
 
 // WithShards sets the number of shards, rounded up to a power of two.
@@ -315,9 +481,11 @@ func WithStrictCapacity() Option { return option(func(cfg *config) { cfg.strict 
 func WithMaxBytes(n int64) Option { return option(func(cfg *config) { cfg.maxBytes = n }) }
 
 // RecordOverhead is what [WithMaxBytes] counts for a record beyond its
-// key, fingerprint and result: the map entry and the 72-byte record, which
-// holds a fingerprint made by [dedup.FingerprintOf] inline. Another
-// fingerprint, or a result, is counted by its length plus 48 bytes.
+// key, fingerprint and result. A record takes 88 bytes, which hold a
+// fingerprint made by [dedup.FingerprintOf] inline, and its table slots
+// 11-22 bytes more (8 a slot, the table 3/8 to 3/4 full): 136 counts them
+// with room to spare. Another fingerprint, or a result, is counted by its
+// length plus 48 bytes.
 const RecordOverhead = 136
 
 func defaultConfig() config {
@@ -332,6 +500,8 @@ func (c *config) validate() error {
 		return &dedup.ArgumentError{Arg: "memstore shards", Reason: "must be between 1 and 65536"}
 	case c.capacity < c.shards:
 		return &dedup.ArgumentError{Arg: "memstore capacity", Reason: "must be at least the number of shards"}
+	case c.capacity/c.shards > maxPerShard:
+		return &dedup.ArgumentError{Arg: "memstore capacity", Reason: "must be at most 2^28 records a shard (use more shards)"}
 	case c.maxBytes < 0:
 		return &dedup.ArgumentError{Arg: "memstore max bytes", Reason: "must not be negative"}
 	}
@@ -347,23 +517,24 @@ func New(opts ...Option) (*Store, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	n := 1
+	n, bits := 1, uint(0)
 	for n < cfg.shards {
 		n <<= 1
+		bits++
 	}
 	s := &Store{
 		shards:   make([]shard, n),
-		mask:     uint64(n - 1),
+		shift:    64 - bits,
 		seed:     maphash.MakeSeed(),
 		clock:    cfg.clock,
-		perShard: (cfg.capacity + n - 1) / n,
+		perShard: min((cfg.capacity+n-1)/n, maxPerShard),
 		strict:   cfg.strict,
 		maxBytes: cfg.maxBytes,
 	}
 	_, s.system = cfg.clock.(dedup.SystemClock)
 	s.base = s.clock.Now()
 	for i := range s.shards {
-		s.shards[i].byID = make(map[string]*record)
+		s.shards[i].reset()
 	}
 	return s, nil
 }
@@ -377,9 +548,11 @@ func (s *Store) now() int64 {
 
 func (s *Store) time(n int64) time.Time { return s.base.Add(time.Duration(n)) }
 
-func (s *Store) shard(k dedup.Key) *shard {
-	// The ID alone spreads keys well: scopes are few, IDs are many.
-	return &s.shards[maphash.String(s.seed, k.ID)&s.mask]
+// hash returns the hash of id and the shard it picks. The ID alone
+// spreads keys well: scopes are few, IDs are many.
+func (s *Store) hash(id string) (uint64, *shard) {
+	h := maphash.String(s.seed, id)
+	return h, &s.shards[h>>s.shift]
 }
 
 // begin checks what every call checks before touching state.
@@ -402,94 +575,128 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 		return dedup.Claim{}, err
 	}
 	p := parsePrint(fp)
-	sh := s.shard(key)
+	h, sh := s.hash(key.ID)
 	now := s.now()
 	sh.mu.Lock()
-	c, err := s.claimLocked(sh, key, &p, lease, now)
+	c, err := s.claimLocked(sh, key, h, &p, lease, now)
 	sh.mu.Unlock()
 	return c, err
 }
 
-func (s *Store) claimLocked(sh *shard, key dedup.Key, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
-	r, found := sh.get(key)
-	attempt := int32(1)
-	takeOver := false
-	if found {
-		live := r.until > now
-		switch {
-		case (live || !r.completed) && !r.matches(p):
-			return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, nil
-		case r.completed && live:
-			return dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt),
-				Result: clone(r.result()), ExpiresAt: s.time(r.until)}, nil
-		case live:
-			return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt), LeaseUntil: s.time(r.until)}, nil
-		case !r.completed: // lease expired: take over, keep the original fingerprint
-			attempt = r.attempt + 1
-			takeOver = true
-		}
-	} else {
-		if sh.len() >= s.perShard {
-			if err := s.makeRoom(sh, now); err != nil {
-				return dedup.Claim{}, err
+func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
+	sid, known := sh.scopeID(key.Scope)
+	var pos uint64
+	if known {
+		var ri uint32
+		var found bool
+		pos, ri, found = sh.find(mix(h, sid), sid, key.ID)
+		if found {
+			r := sh.rec(ri)
+			live, completed := r.until > now, r.completed()
+			switch {
+			case (live || !completed) && !r.matches(p):
+				return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, nil
+			case completed && live:
+				return dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt),
+					Result: clone(r.result()), ExpiresAt: s.time(r.until)}, nil
+			case live:
+				return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt), LeaseUntil: s.time(r.until)}, nil
 			}
-		}
-		if s.maxBytes > 0 {
-			size := int64(RecordOverhead + len(key.Scope) + len(key.ID))
-			if p.kind == fpString {
-				size += extraSize + int64(len(p.fp))
+			token, until := dedup.NewToken(), dedup.DeadlineNanos(now, lease)
+			attempt := int32(1)
+			if !completed && r.meta&kindMask != fpNone {
+				// Take-over of an expired lease with a fingerprint: keep
+				// it (an in-progress record has no result).
+				attempt = r.attempt + 1
+				r.token, r.until, r.attempt = token, until, attempt
+			} else {
+				if !completed { // take-over: the fingerprint is the new claim's
+					attempt = r.attempt + 1
+				}
+				s.addBytes(sh, r.acquire(p, token, until, attempt))
 			}
+			return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: int(attempt),
+				TakenOver: attempt > 1, LeaseUntil: s.time(until)}, nil
+		}
+	}
+	// A new key. Making room or growing the table moves slots and may
+	// forget the key's scope: then the slot is looked up again.
+	moved := !known
+	if sh.n >= s.perShard {
+		if err := s.makeRoom(sh, now); err != nil {
+			return dedup.Claim{}, err
+		}
+		moved = true
+	}
+	if s.maxBytes > 0 {
+		size := int64(RecordOverhead + len(key.Scope) + len(key.ID))
+		if p.kind == fpString {
+			size += extraOverhead + int64(len(p.fp))
+		}
+		if s.bytes.Load()+size > s.maxBytes {
 			if err := s.fitBytes(sh, size, now); err != nil {
 				return dedup.Claim{}, err
 			}
+			moved = true
 		}
 	}
-	var before int64
-	if found {
-		before = r.size(key)
-	} else {
-		r = sh.alloc()
-		sh.put(key, r)
+	if (sh.n+1)*4 > len(sh.slots)*3 {
+		sh.grow()
+		moved = true
 	}
+	if moved {
+		var ok bool
+		if sid, ok = sh.scopeID(key.Scope); !ok {
+			sid = sh.addScope(key.Scope)
+		}
+		pos = sh.emptySlot(mix(h, sid))
+	}
+	ri := sh.alloc()
+	sh.slots[pos] = mix(h, sid)<<32 | uint64(ri+1)
+	sh.n++
+	if sid != 0 {
+		sh.multi.refs[sid-1]++
+	}
+	r := sh.rec(ri)
+	r.id, r.meta = key.ID, sid<<scopeShift
 	token, until := dedup.NewToken(), dedup.DeadlineNanos(now, lease)
-	if takeOver && r.fpKind != fpNone {
-		// An in-progress record has no result: only its fingerprint is
-		// kept.
-		r.token, r.until, r.attempt = token, until, attempt
-	} else {
-		*r = record{token: token, until: until, attempt: attempt}
-		r.setPrint(p)
-	}
-	s.bytes.Add(r.size(key) - before)
-	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: int(attempt),
-		TakenOver: attempt > 1, LeaseUntil: s.time(until)}, nil
+	s.addBytes(sh, RecordOverhead+int64(len(key.Scope)+len(key.ID))+r.acquire(p, token, until, 1))
+	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: 1, LeaseUntil: s.time(until)}, nil
 }
 
 // makeRoom frees one slot in a full shard: it samples up to 32 records
-// (map iteration starts at a random place), deletes the expired completed
+// (from a random place in its records), deletes the expired completed
 // ones, and if there were none evicts the sampled completed record that
 // expires soonest.
 func (s *Store) makeRoom(sh *shard, now int64) error {
-	const sample = 32
-	var victim dedup.Key
-	victimUntil, freed := int64(-1), 0
-	sh.sample(sample, func(k dedup.Key, r *record) bool {
-		if r.completed {
-			if r.until <= now {
-				s.drop(sh, k, r)
-				freed++
-			} else if victimUntil < 0 || r.until < victimUntil {
-				victim, victimUntil = k, r.until
+	const sample, scan = 32, 1024
+	victim, victimUntil, freed := uint32(0), int64(-1), 0
+	if top := sh.top; top > 0 {
+		i, seen := rand.Uint32N(top), 0
+		for range min(top, scan) {
+			if r := sh.rec(i); r.id != "" {
+				if r.completed() {
+					if r.until <= now {
+						s.dropRecord(sh, i)
+						freed++
+					} else if victimUntil < 0 || r.until < victimUntil {
+						victim, victimUntil = i, r.until
+					}
+				}
+				if seen++; seen == sample {
+					break
+				}
+			}
+			if i++; i == top {
+				i = 0
 			}
 		}
-		return true
-	})
+	}
 	switch {
 	case freed > 0:
 		return nil
 	case victimUntil >= 0 && !s.strict:
-		r, _ := sh.get(victim)
-		s.drop(sh, victim, r)
+		s.dropRecord(sh, victim)
 		s.evicted.Add(1)
 		return nil
 	}
@@ -513,12 +720,13 @@ func (s *Store) fitBytes(sh *shard, size int64, now int64) error {
 	return &dedup.StoreError{Store: storeName, Op: "claim", Err: dedup.ErrFull, NotApplied: true}
 }
 
-// drop deletes the record r of key k from sh, uncounts its bytes and
-// recycles it.
-func (s *Store) drop(sh *shard, k dedup.Key, r *record) {
-	sh.del(k)
-	s.bytes.Add(-r.size(k))
-	sh.recycle(r)
+// lookup finds the record of key, whose ID hashes to h, in sh.
+func (sh *shard) lookup(key dedup.Key, h uint64) (pos uint64, ri uint32, ok bool) {
+	sid, ok := sh.scopeID(key.Scope)
+	if !ok {
+		return 0, 0, false
+	}
+	return sh.find(mix(h, sid), sid, key.ID)
 }
 
 // Complete implements [dedup.Store].
@@ -536,10 +744,10 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 		}
 		return err
 	}
-	sh := s.shard(c.Key)
+	h, sh := s.hash(c.Key.ID)
 	now := s.now()
 	sh.mu.Lock()
-	err := s.completeLocked(sh, c, result, retention, now)
+	err := s.completeLocked(sh, &c, h, result, retention, now)
 	sh.mu.Unlock()
 	if err != nil {
 		if verr := c.Key.Validate(); verr != nil {
@@ -549,22 +757,27 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	return err
 }
 
-func (s *Store) completeLocked(sh *shard, c dedup.Claim, result []byte, retention time.Duration, now int64) error {
-	r, ok := sh.get(c.Key)
-	switch {
-	case !ok || r.token != c.Token:
+func (s *Store) completeLocked(sh *shard, c *dedup.Claim, h uint64, result []byte, retention time.Duration, now int64) error {
+	_, ri, ok := sh.lookup(c.Key, h)
+	if !ok {
 		return dedup.ErrLeaseLost
-	case r.completed: // the same owner completing again: no change
+	}
+	r := sh.rec(ri)
+	switch {
+	case r.token != c.Token:
+		return dedup.ErrLeaseLost
+	case r.completed(): // the same owner completing again: no change
 		return nil
 	}
-	r.completed, r.until = true, dedup.DeadlineNanos(now, retention)
+	r.meta |= completedBit
+	r.until = dedup.DeadlineNanos(now, retention)
 	if len(result) > 0 {
-		if r.more == nil {
-			r.more = &extra{}
-			s.bytes.Add(extraSize)
+		if r.meta&extraBit == 0 {
+			r.setExtra(&extra{})
+			s.addBytes(sh, extraOverhead)
 		}
 		r.more.result = clone(result)
-		s.bytes.Add(int64(len(result)))
+		s.addBytes(sh, int64(len(result)))
 	}
 	return nil
 }
@@ -580,10 +793,11 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	}
 	errs := make([]error, len(items))
 	now := s.now()
-	for i, it := range items {
-		sh := s.shard(it.Claim.Key)
+	for i := range items {
+		it := &items[i]
+		h, sh := s.hash(it.Claim.Key.ID)
 		sh.mu.Lock()
-		errs[i] = s.completeLocked(sh, it.Claim, it.Result, retention, now)
+		errs[i] = s.completeLocked(sh, &it.Claim, h, it.Result, retention, now)
 		sh.mu.Unlock()
 	}
 	return errs, nil
@@ -597,15 +811,18 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := s.begin(ctx, "release"); err != nil {
 		return err
 	}
-	sh := s.shard(c.Key)
+	h, sh := s.hash(c.Key.ID)
 	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	r, ok := sh.get(c.Key)
-	if !ok || r.token != c.Token || r.completed {
-		return dedup.ErrLeaseLost
+	pos, ri, ok := sh.lookup(c.Key, h)
+	if ok {
+		if r := sh.rec(ri); r.token == c.Token && !r.completed() {
+			s.drop(sh, pos, ri)
+			sh.mu.Unlock()
+			return nil
+		}
 	}
-	s.drop(sh, c.Key, r)
-	return nil
+	sh.mu.Unlock()
+	return dedup.ErrLeaseLost
 }
 
 // Extend implements [dedup.Extender].
@@ -619,16 +836,20 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if err := s.begin(ctx, "extend"); err != nil {
 		return c, err
 	}
-	sh := s.shard(c.Key)
+	h, sh := s.hash(c.Key.ID)
+	now := s.now()
 	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	r, ok := sh.get(c.Key)
-	if !ok || r.token != c.Token || r.completed {
-		return c, dedup.ErrLeaseLost
+	_, ri, ok := sh.lookup(c.Key, h)
+	if ok {
+		if r := sh.rec(ri); r.token == c.Token && !r.completed() {
+			r.until = dedup.DeadlineNanos(now, lease)
+			c.LeaseUntil = s.time(r.until)
+			sh.mu.Unlock()
+			return c, nil
+		}
 	}
-	r.until = dedup.DeadlineNanos(s.now(), lease)
-	c.LeaseUntil = s.time(r.until)
-	return c, nil
+	sh.mu.Unlock()
+	return c, dedup.ErrLeaseLost
 }
 
 // ClaimBatch implements [dedup.BatchClaimer]. Each key is claimed
@@ -643,11 +864,12 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	}
 	out := make([]dedup.Claim, len(reqs))
 	now := s.now()
-	for i, r := range reqs {
-		p := parsePrint(r.Fingerprint)
-		sh := s.shard(r.Key)
+	for i := range reqs {
+		req := &reqs[i]
+		p := parsePrint(req.Fingerprint)
+		h, sh := s.hash(req.Key.ID)
 		sh.mu.Lock()
-		c, err := s.claimLocked(sh, r.Key, &p, lease, now)
+		c, err := s.claimLocked(sh, req.Key, h, &p, lease, now)
 		sh.mu.Unlock()
 		if err != nil {
 			return nil, err
@@ -670,16 +892,12 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		sh.all(func(k dedup.Key, r *record) bool {
-			if n == limit {
-				return false
-			}
-			if r.completed && r.until <= now {
-				s.drop(sh, k, r)
+		for ri := uint32(0); ri < sh.top && n < limit; ri++ {
+			if r := sh.rec(ri); r.id != "" && r.completed() && r.until <= now {
+				s.dropRecord(sh, ri)
 				n++
 			}
-			return true
-		})
+		}
 		sh.mu.Unlock()
 		if n == limit || ctx.Err() != nil {
 			break
@@ -697,11 +915,12 @@ type Stats struct {
 
 // Stats returns the store's current size.
 func (s *Store) Stats() Stats {
-	st := Stats{Evicted: s.evicted.Load(), Bytes: s.bytes.Load()}
+	st := Stats{Evicted: s.evicted.Load()}
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		st.Records += sh.len()
+		st.Records += sh.n
+		st.Bytes += sh.bytes
 		sh.mu.Unlock()
 	}
 	return st
@@ -715,9 +934,7 @@ func (s *Store) Close() error {
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.mu.Lock()
-		clear(sh.byID)
-		sh.other = nil
-		sh.slab, sh.free = nil, nil
+		sh.reset() // a call that began before Close finds an empty shard
 		sh.mu.Unlock()
 	}
 	s.bytes.Store(0)
