@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -25,6 +26,13 @@ import (
 //     of the keys it inserted: the least any one-statement claim that
 //     reports something per batch costs (it still cannot tell which keys
 //     were duplicates).
+//   - raw-insert: the same INSERT with no ON CONFLICT clause (it fails
+//     on any stored key), the statement ClaimBatch tries first.
+//   - claim-fallback: ClaimBatch, on a second store, of a batch whose
+//     last key (in key order) is stored already, right after a batch of
+//     new keys: the worst case of ClaimBatch's fast path, which inserts
+//     every other key, fails on that one, and claims the batch again
+//     with the full statement.
 //   - raw-complete: UPDATE ... FROM unnest(...) fenced by the token,
 //     completing what raw-claim inserted (no ordered locking).
 //   - complete: Store.CompleteBatch of what ClaimBatch acquired.
@@ -35,7 +43,7 @@ import (
 //     inserted.
 //
 // Keys are the store's benchmark IDs, fingerprints dedup.FingerprintOf's.
-// Every op is one round: the three claims in an order that rotates from
+// Every op is one round: the five claims in an order that rotates from
 // round to round, then the three completions in an order that rotates, each timed alone
 // (the inputs are built outside the timer). It reports each case's keys
 // per second over its own time and the two ratios (ours over raw). Run
@@ -47,6 +55,7 @@ func BenchmarkBatchVsRaw(b *testing.B) {
 		b.Run(fmt.Sprintf("size=%d", size), func(b *testing.B) {
 			s, raw := benchStore(b)
 			ctx := context.Background()
+			s2 := openStoreOn(b, s.Pool(), freshSchema(b, s.Pool()))
 			// The raw statements write the store's layout as a
 			// hand-written consumer would: the scope's integer, the ID's
 			// and the fingerprint's stored bytes, built outside the timer.
@@ -57,6 +66,10 @@ ON CONFLICT DO NOTHING`
 			// The least a one-statement claim that reports anything
 			// returns: the count of the keys it inserted, through a CTE.
 			rawCounted := `WITH i AS (` + rawClaim + ` RETURNING 1) SELECT count(*) FROM i`
+			rawInsert := strings.TrimSuffix(rawClaim, "\nON CONFLICT DO NOTHING")
+			if rawInsert == rawClaim {
+				b.Fatal("raw insert has an ON CONFLICT clause")
+			}
 			rawComplete := `UPDATE ` + raw + ` r SET result = u.result, deadline = now() + interval '1 hour', state = 2
 FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1`
@@ -69,7 +82,7 @@ FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, t
 WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AND (SELECT n FROM l) >= 0`
 			g := newIDs()
 			result := []byte("ok")
-			var took [6]time.Duration // raw-claim, claim, raw-complete, complete, raw-complete-ordered, raw-claim-counted
+			var took [8]time.Duration // raw-claim, claim, raw-complete, complete, raw-complete-ordered, raw-claim-counted, raw-insert, claim-fallback
 			timed := func(i int, f func() error) {
 				start := time.Now()
 				err := f()
@@ -99,11 +112,47 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 					b.Fatal(err)
 				}
 				var claims []dedup.Claim
-				idv3 := make([][]byte, size)
+				idv3, idv4 := make([][]byte, size), make([][]byte, size)
 				for i := range idv3 {
-					idv3[i] = pgstore.EncodeID(g.next())
+					idv3[i], idv4[i] = pgstore.EncodeID(g.next()), pgstore.EncodeID(g.next())
+				}
+				// The fallback's batch: new keys and, last in key order, a
+				// key claimed outside the timer, after a batch of new keys
+				// (which leaves the store trying the fast path first).
+				fresh, mixed := make([]dedup.ClaimRequest, size), make([]dedup.ClaimRequest, size)
+				for i := range size {
+					id := g.next()
+					fresh[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: id}, Fingerprint: dedup.FingerprintOf([]byte(id))}
+					id = g.next()
+					mixed[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: id}, Fingerprint: dedup.FingerprintOf([]byte(id))}
+				}
+				stored := fmt.Sprintf("zzzz-%d", round)
+				mixed[size-1] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: stored}, Fingerprint: fpA}
+				if _, err := s2.Claim(ctx, mixed[size-1].Key, fpA, 30*time.Second); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := s2.ClaimBatch(ctx, fresh, 30*time.Second); err != nil {
+					b.Fatal(err)
 				}
 				claimCases := []func(){
+					func() {
+						timed(6, func() error {
+							tag, err := s.Pool().Exec(ctx, rawInsert, scopes, idv4, toks, fps)
+							if err == nil && tag.RowsAffected() != int64(size) {
+								err = fmt.Errorf("raw insert inserted %d", tag.RowsAffected())
+							}
+							return err
+						})
+					},
+					func() {
+						timed(7, func() error {
+							cs, err := s2.ClaimBatch(ctx, mixed, 30*time.Second)
+							if err == nil && (cs[size-1].Outcome != dedup.InProgress || cs[0].Outcome != dedup.Acquired) {
+								err = fmt.Errorf("fallback batch: %v, %v", cs[0].Outcome, cs[size-1].Outcome)
+							}
+							return err
+						})
+					},
 					func() {
 						timed(5, func() error {
 							var n int64
@@ -172,7 +221,7 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 			for range 5 {
 				step() // connections dialled, statements prepared
 			}
-			took = [6]time.Duration{}
+			took = [8]time.Duration{}
 			round = 0
 			for b.Loop() {
 				step()
@@ -183,6 +232,10 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 			b.ReportMetric(rate(1)/rate(0), "claim/raw")
 			b.ReportMetric(rate(5), "raw-counted-claim-ids/s")
 			b.ReportMetric(rate(1)/rate(5), "claim/raw-counted")
+			b.ReportMetric(rate(6), "raw-insert-ids/s")
+			b.ReportMetric(rate(1)/rate(6), "claim/raw-insert")
+			b.ReportMetric(rate(7), "claim-fallback-ids/s")
+			b.ReportMetric(rate(7)/rate(0), "claim-fallback/raw")
 			b.ReportMetric(rate(2), "raw-complete-ids/s")
 			b.ReportMetric(rate(3), "complete-ids/s")
 			b.ReportMetric(rate(3)/rate(2), "complete/raw")

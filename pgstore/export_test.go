@@ -35,3 +35,7 @@ var (
 	DecodeID          = decodeID
 	FingerprintDigest = fpDigest
 )
+
+// BatchFound reports whether s's next plain ClaimBatch goes straight to
+// the full statement because the last one found a stored key.
+func BatchFound(s *Store) bool { return s.batchFound.Load() }

@@ -30,7 +30,10 @@ type statements struct {
 	// lockMany) in the same transaction, in a later statement so that its
 	// snapshot sees every commit made before the lock was granted.
 	pClaim, pInbox, pClaimBatch string
-	lock, lockMany              string
+	// claimNew and claimNewUntil: ClaimBatch's fast path for a batch of
+	// new keys (see Store.claimNew).
+	claimNew, claimNewUntil string
+	lock, lockMany          string
 	// Token-fenced transitions, on whichever table the store uses.
 	complete, completeBatch, release, extend, inboxResult string
 	// inboxResultChecked is inboxResult for a pipeline that commits
@@ -203,6 +206,24 @@ UNION ALL
 SELECT NULL, NULL, 0::int2, NULL, count(*)::int4, NULL, NULL, ` + k.deadline + `, ` + k.deadline + ` FROM ins`
 }
 
+// newDeadline is the lease end of claimNew's records: the lease (param,
+// microseconds) from the transaction's start, which the INSERT and the
+// SELECT that reads it back share.
+func newDeadline(param string) string {
+	return deadline(`now() + ` + usec(param+`::int8`))
+}
+
+// newBatch is the INSERT of claimNew: every key's record in progress, in
+// array order, with no ON CONFLICT clause, so that a stored key fails the
+// whole statement ($1 scopes, $2 ids, $3 tokens, $4 fingerprints, lease
+// the lease's parameter). The deadline is an uncorrelated subquery,
+// evaluated once.
+func newBatch(n *names, lease string) string {
+	return `INSERT INTO ` + n.records + ` ` + columns + `
+SELECT u.scope, u.id, 1, u.token, u.fp, NULL, (SELECT ` + newDeadline(lease) + `), 1
+FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)`
+}
+
 // partitionedUpsert is the claim on the partitioned table, for the keys of
 // the CTE source u (scope, id, token, fp). It must run after the advisory
 // lock of every key in u, in a later statement of the same READ COMMITTED
@@ -304,15 +325,17 @@ func buildStatements(n *names, cfg *config) statements {
 VALUES ` + values(applyKind(n, "$1::int4")) + `
 ON CONFLICT (scope, id) DO UPDATE SET attempts = (` + sqlLiteral(applyTaken+": ") + ` || r.state)::int
 RETURNING r.attempts, r.deadline, r.deadline`,
-		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::int4"), `r.attempts, r.deadline AS lease_until, r.deadline AS expires_at`) + `)` + applyCheck("c"),
-		applyCurrent: `SELECT ` + rReturning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::int4 AND r.id = $2::bytea`,
-		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins"),
-		current:      `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::int4 AND id = $2::bytea`,
-		claimBatch:   plainBatch(n, leaseKind("$5")),
-		pClaim:       partitionedUpsert(n, leaseKind("$5"), scalarSource),
-		pInbox:       partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
-		pClaimBatch:  partitionedUpsert(n, leaseKind("$5"), arraySource),
-		lock:         `SELECT pg_advisory_xact_lock($1::int8)`,
+		apply:         `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::int4"), `r.attempts, r.deadline AS lease_until, r.deadline AS expires_at`) + `)` + applyCheck("c"),
+		applyCurrent:  `SELECT ` + rReturning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::int4 AND r.id = $2::bytea`,
+		pApply:        partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins"),
+		current:       `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::int4 AND id = $2::bytea`,
+		claimBatch:    plainBatch(n, leaseKind("$5")),
+		claimNew:      newBatch(n, "$5"),
+		claimNewUntil: `SELECT ` + newDeadline("$1"),
+		pClaim:        partitionedUpsert(n, leaseKind("$5"), scalarSource),
+		pInbox:        partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
+		pClaimBatch:   partitionedUpsert(n, leaseKind("$5"), arraySource),
+		lock:          `SELECT pg_advisory_xact_lock($1::int8)`,
 		// The keys come sorted and distinct, so that two batches lock
 		// their common keys in the same order and cannot deadlock.
 		lockMany: `SELECT count(pg_advisory_xact_lock(k)) FROM unnest($1::int8[]) WITH ORDINALITY AS t(k, o)`,
@@ -347,7 +370,10 @@ WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea`,
 		// holds already. A row changed by another transaction after the
 		// statement began is updated in its latest version (PostgreSQL
 		// re-checks the WHERE clause on it), as before. The scopes'
-		// retention windows are joined once, not looked up per item.
+		// retention windows are joined once, not looked up per item. The
+		// ordinals of the lost items are computed only when the count
+		// says some were lost (the ARRAY subquery is an init plan, which
+		// the server runs only when the CASE needs its value).
 		completeBatch: `WITH l AS MATERIALIZED (
 	SELECT count(*) AS n FROM unnest($1::int4[], $2::bytea[], $3::bytea[]) AS u(scope, id, token)
 	CROSS JOIN LATERAL (
@@ -362,7 +388,9 @@ d AS (
 		LEFT JOIN (` + n.scopes + ` s JOIN ` + n.retention + ` w ON w.scope = s.scope) ON s.id = u.scope) u
 	WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
 	RETURNING u.o)
-SELECT (SELECT count(*) FROM d), ARRAY(SELECT generate_series(1, cardinality($1::int4[]))::int8 EXCEPT ALL SELECT o FROM d)`,
+SELECT c.n, CASE WHEN c.n = cardinality($1::int4[]) THEN '{}'::int8[]
+	ELSE ARRAY(SELECT generate_series(1, cardinality($1::int4[]))::int8 EXCEPT ALL SELECT o FROM d) END
+FROM (SELECT count(*) AS n FROM d) c`,
 		release: `DELETE FROM ` + table + ` WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1`,
 		extend: `UPDATE ` + table + ` SET deadline = ` + deadline(now+` + `+usec("$4::int8")) + `
 WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1

@@ -53,6 +53,11 @@ type Store struct {
 	// of migrations 0001-0005 are gone (Convert dropped them): claims
 	// then stop moving old records first.
 	converted atomic.Bool
+	// batchFound is set when the last plain ClaimBatch found a key that
+	// was stored already: the next one then sends the full claim
+	// statement at once instead of trying the insert of new keys first
+	// (see claimNew), until a batch of only new keys clears it again.
+	batchFound atomic.Bool
 }
 
 var (
