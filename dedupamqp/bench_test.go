@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -135,10 +138,137 @@ func benchConsume(b *testing.B, prefetch, conc int) {
 	})
 }
 
+// BenchmarkConsumeRotated runs BenchmarkConsume's cases bare, memstore,
+// redis-floor2 and redis in one process, in rounds (one round per b.N),
+// each round in another order (its start rotated by one), each case on a
+// fresh queue of DEDUP_BENCH_MSGS messages (default 20,000) published
+// before its clock starts. It reports each case's median rate and the
+// medians of memstore / bare and redis / redis-floor2 taken within each
+// round; -v logs every round. DEDUP_BENCH_CASES (comma-separated names)
+// runs only those cases; DEDUP_REDIS_ADDR points the Redis cases at a
+// private server.
+//
+//	go test -c -o /tmp/a.test ./dedupamqp/
+//	/tmp/a.test -test.run '^$' -test.bench BenchmarkConsumeRotated -test.benchtime 6x -test.v
+func BenchmarkConsumeRotated(b *testing.B) {
+	n := 20000
+	if v := os.Getenv("DEDUP_BENCH_MSGS"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 {
+			b.Fatalf("DEDUP_BENCH_MSGS=%q: want a positive count", v)
+		}
+	}
+	for _, conc := range []int{1, 32} {
+		b.Run(fmt.Sprintf("c%d", conc), func(b *testing.B) { benchConsumeRotated(b, n, max(64, 2*conc), conc) })
+	}
+}
+
+func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
+	url := testenv.AMQPURL(b)
+	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
+	// run fills a queue, consumes it with consume and returns msgs/s.
+	run := func(consume func(q string) time.Duration) float64 {
+		q, drop := fillQueue(b, url, n)
+		defer drop()
+		return float64(n) / consume(q).Seconds()
+	}
+	type benchCase struct {
+		name string
+		run  func() float64
+	}
+	cases := []benchCase{
+		{"bare", func() float64 {
+			return run(func(q string) time.Duration { return bareConsumeN(b, url, q, n, false, prefetch, conc, nil) })
+		}},
+		{"memstore", func() float64 {
+			s, err := memstore.New()
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			return run(func(q string) time.Duration { return adapterConsumeN(b, url, q, n, false, s, prefetch, conc) })
+		}},
+		{"redis-floor2", func() float64 {
+			rc, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: addrs})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer rc.Close()
+			prefix := unique("bench") + ":"
+			return run(func(q string) time.Duration {
+				return bareConsumeN(b, url, q, n, false, prefetch, conc, func(ctx context.Context, d *amqp.Delivery) {
+					key := prefix + d.MessageId
+					_ = rc.Do(ctx, rc.B().Set().Key(key).Value("1").Nx().Px(time.Minute).Build()).Error()
+					_ = rc.Do(ctx, rc.B().Set().Key(key).Value("done").Px(time.Minute).Build()).Error()
+				})
+			})
+		}},
+		{"redis", func() float64 {
+			s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(unique("bench")+":"))
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			return run(func(q string) time.Duration { return adapterConsumeN(b, url, q, n, false, s, prefetch, conc) })
+		}},
+	}
+	if only := os.Getenv("DEDUP_BENCH_CASES"); only != "" {
+		cases = slices.DeleteFunc(cases, func(c benchCase) bool { return !slices.Contains(strings.Split(only, ","), c.name) })
+	}
+	baseline := map[string]string{"memstore": "bare", "redis": "redis-floor2"}
+	rates := map[string][]float64{}
+	ratios := map[string][]float64{}
+	for round := 0; b.Loop(); round++ {
+		b.StopTimer()
+		got := map[string]float64{}
+		for i := range cases {
+			c := cases[(i+round)%len(cases)]
+			got[c.name] = c.run()
+			rates[c.name] = append(rates[c.name], got[c.name])
+		}
+		line := fmt.Sprintf("round %d:", round+1)
+		for _, c := range cases {
+			line += fmt.Sprintf(" %s %.0f", c.name, got[c.name])
+			if base, ok := baseline[c.name]; ok && got[base] > 0 {
+				r := got[c.name] / got[base]
+				ratios[c.name] = append(ratios[c.name], r)
+				line += fmt.Sprintf(" (%.2fx %s)", r, base)
+			}
+		}
+		b.Log(line)
+		b.StartTimer()
+	}
+	median := func(xs []float64) float64 {
+		xs = slices.Clone(xs)
+		slices.Sort(xs)
+		if len(xs)%2 == 0 {
+			return (xs[len(xs)/2-1] + xs[len(xs)/2]) / 2
+		}
+		return xs[len(xs)/2]
+	}
+	for _, c := range cases {
+		b.ReportMetric(median(rates[c.name]), c.name+"-msgs/s")
+		if r := ratios[c.name]; len(r) > 0 {
+			b.ReportMetric(median(r), c.name+"-x")
+			b.ReportMetric(slices.Min(r), c.name+"-x-min")
+			b.ReportMetric(slices.Max(r), c.name+"-x-max")
+		}
+	}
+}
+
 // benchQueue declares a queue of b.N messages and deletes it at the end.
 func benchQueue(b *testing.B, url string) string {
 	b.Helper()
-	q := unique("dedupamqp-bench")
+	q, drop := fillQueue(b, url, b.N)
+	b.Cleanup(drop)
+	return q
+}
+
+// fillQueue declares a queue of n messages; drop deletes it (and the
+// retry queues a consumer of it declared).
+func fillQueue(b *testing.B, url string, n int) (q string, drop func()) {
+	b.Helper()
+	q = unique("dedupamqp-bench")
 	conn, err := amqp.Dial(url)
 	if err != nil {
 		b.Fatal(err)
@@ -151,7 +281,7 @@ func benchQueue(b *testing.B, url string) string {
 	if _, err := ch.QueueDeclare(q, true, false, false, false, amqp.Table{amqp.QueueTypeArg: Classic}); err != nil {
 		b.Fatal(err)
 	}
-	b.Cleanup(func() {
+	drop = func() {
 		if c, err := amqp.Dial(url); err == nil {
 			if ch, err := c.Channel(); err == nil {
 				_, _ = ch.QueueDelete(q, false, false, false)
@@ -161,34 +291,44 @@ func benchQueue(b *testing.B, url string) string {
 			}
 			c.Close()
 		}
-	})
+	}
 	if err := ch.Confirm(false); err != nil {
+		drop()
 		b.Fatal(err)
 	}
 	var pending []*amqp.DeferredConfirmation
-	for i := range b.N {
+	for i := range n {
 		dc, err := ch.PublishWithDeferredConfirm("", q, false, false, amqp.Publishing{
 			MessageId: "m-" + strconv.Itoa(i), DeliveryMode: amqp.Persistent, Body: []byte(`{"amount_cents":4200}`),
 		})
 		if err != nil {
+			drop()
 			b.Fatal(err)
 		}
 		pending = append(pending, dc)
-		if len(pending) == 1000 || i == b.N-1 {
+		if len(pending) == 1000 || i == n-1 {
 			for _, dc := range pending {
 				if !dc.Wait() {
+					drop()
 					b.Fatal("publish nacked")
 				}
 			}
 			pending = pending[:0]
 		}
 	}
-	return q
+	return q, drop
 }
 
 // bareConsume consumes b.N messages of q with a plain amqp091-go consumer,
 // running work (if any) before each ack, and returns the time taken.
 func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(context.Context, *amqp.Delivery)) time.Duration {
+	b.Helper()
+	return bareConsumeN(b, url, q, b.N, true, prefetch, conc, work)
+}
+
+// bareConsumeN consumes n messages of q as bareConsume does; timed resets
+// and stops b's timer around the consuming.
+func bareConsumeN(b *testing.B, url, q string, n int, timed bool, prefetch, conc int, work func(context.Context, *amqp.Delivery)) time.Duration {
 	b.Helper()
 	conn, err := amqp.Dial(url)
 	if err != nil {
@@ -202,7 +342,9 @@ func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(cont
 	if err := ch.Qos(prefetch, 0, false); err != nil {
 		b.Fatal(err)
 	}
-	b.ResetTimer()
+	if timed {
+		b.ResetTimer()
+	}
 	start := time.Now()
 	msgs, err := ch.Consume(q, "", false, false, false, false, nil)
 	if err != nil {
@@ -219,7 +361,7 @@ func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(cont
 				if work != nil {
 					work(ctx, &d)
 				}
-				if d.Ack(false) == nil && done.Add(1) == int64(b.N) {
+				if d.Ack(false) == nil && done.Add(1) == int64(n) {
 					once.Do(func() { close(all) })
 				}
 			}
@@ -227,7 +369,9 @@ func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(cont
 	}
 	<-all
 	elapsed := time.Since(start)
-	b.StopTimer()
+	if timed {
+		b.StopTimer()
+	}
 	ch.Close()
 	wg.Wait()
 	return elapsed
@@ -237,14 +381,20 @@ func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(cont
 // processor on s and returns the time taken.
 func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int, opts ...ConsumerOption) time.Duration {
 	b.Helper()
-	q := benchQueue(b, url)
+	return adapterConsumeN(b, url, benchQueue(b, url), b.N, true, s, prefetch, conc, opts...)
+}
+
+// adapterConsumeN consumes the n messages of q as adapterConsume does;
+// timed resets and stops b's timer around the consuming.
+func adapterConsumeN(b *testing.B, url, q string, n int, timed bool, s dedup.Store, prefetch, conc int, opts ...ConsumerOption) time.Duration {
+	b.Helper()
 	var done atomic.Int64
 	all := make(chan struct{})
 	var once sync.Once
 	p, err := consumer.New("bench", s, func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) { return nil, nil },
 		consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(10*time.Minute),
 		consumer.WithObserver(func(_ *consumer.Message, d consumer.Decision) {
-			if d.Action == consumer.Ack && done.Add(1) == int64(b.N) {
+			if d.Action == consumer.Ack && done.Add(1) == int64(n) {
 				once.Do(func() { close(all) })
 			}
 		}))
@@ -255,19 +405,23 @@ func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int,
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.ResetTimer()
+	if timed {
+		b.ResetTimer()
+	}
 	start := time.Now()
 	errc := make(chan error, 1)
 	go func() { errc <- c.Run(context.Background()) }()
 	<-all
 	elapsed := time.Since(start)
-	b.StopTimer()
+	if timed {
+		b.StopTimer()
+	}
 	c.Close()
 	if err := <-errc; err != nil {
 		b.Fatal(err)
 	}
-	if st := c.Stats(); st.Acked < uint64(b.N) {
-		b.Fatalf("acked %d of %d", st.Acked, b.N)
+	if st := c.Stats(); st.Acked < uint64(n) {
+		b.Fatalf("acked %d of %d", st.Acked, n)
 	}
 	return elapsed
 }

@@ -31,6 +31,7 @@ type Store struct {
 
 	claim, release, extend *script
 	completeMany           *script
+	completeOne            *script    // completeMany for a group of one key
 	coalesce               *coalescer // concurrent Complete calls, sent together
 	cluster                bool       // keys of one script must share a slot
 
@@ -158,6 +159,7 @@ func New(c rueidis.Client, opts ...Option) (*Store, error) {
 		extend:  newScript(extendScript),
 
 		completeMany: newScript(completeManyScript),
+		completeOne:  newScript(completeOneScript),
 		coalesce:     newCoalescer(),
 		cluster:      c.Mode() == rueidis.ClientModeCluster,
 		ackReplicas:  int64(cfg.ackReplicas),
@@ -483,6 +485,11 @@ func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, ret
 	groups := s.groups(keys)
 	calls := make([]call, len(groups))
 	for g, idx := range groups {
+		if len(idx) == 1 {
+			it := &items[idx[0]]
+			calls[g] = call{s.completeOne, keys[idx[0] : idx[0]+1], []string{string(it.Claim.Token[:]), string(it.Result), ret}}
+			continue
+		}
 		ks, args := make([]string, len(idx)), make([]string, 1, 1+2*len(idx))
 		args[0] = ret
 		for j, i := range idx {
@@ -514,7 +521,8 @@ func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, ret
 	}
 }
 
-// completeReply reads completeManyScript's reply for n keys: done is ""
+// completeReply reads the reply of completeManyScript (or, for one key,
+// completeOneScript, which answers alike) for n keys: done is ""
 // when every key was done, else one byte a key ('1' done, '0' lease lost).
 // The reply's type tells the two apart (ToInt64 takes only an integer).
 func completeReply(res rueidis.RedisResult, n int) (done string, err error) {

@@ -212,6 +212,30 @@ if not lost then return 1 end
 return table.concat(out)
 `
 
+// completeOneScript completes one record: KEYS[1]; ARGV[1] its token,
+// ARGV[2] its result, ARGV[3] retention ms. It decides exactly as
+// completeManyScript does for one key (the same fixed-offset token check,
+// the same completed record, expiry from the server's clock) and answers
+// as it does: the integer 1 done, the string '0' lease lost. It is what a
+// group of one key is sent as (a lone Complete, a cluster batch's key
+// alone in its slot): with no MGET, unpack, tables or concat of replies,
+// it costs the server 11% fewer instructions than completeManyScript
+// given one key (56.6-56.9k against 63.5k a call under callgrind, where a
+// plain SET is 10.7-10.9k).
+const completeOneScript = `
+local old = redis.call('GET', KEYS[1])
+if not old or string.find(old, ARGV[1], 2, true) ~= 2 then return '0' end
+local s = string.byte(old)
+if s == 1 then
+	local ret = tonumber(ARGV[3])
+` + luaExpiry + `
+	redis.call('PSETEX', KEYS[1], ARGV[3], '\2' .. ARGV[1] .. exp .. string.sub(old, 24) .. ARGV[2])
+	return 1
+end
+if s == 2 or s == 99 then return 1 end
+return '0'
+`
+
 // releaseScript: KEYS[1]; ARGV[1] token. Returns 1 released, 0 lease lost.
 const releaseScript = `
 local old = redis.call('GET', KEYS[1])
