@@ -353,45 +353,8 @@ RETURNING r.attempts, r.deadline, r.deadline`,
 	deadline = CASE WHEN state = 1 THEN ` + deadline(now+` + `+retentionFor(n, "$1::int4", "$5")) + ` ELSE deadline END,
 	state    = 2
 WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea`,
-		// CompleteBatch: complete for each (scope, id, token, result) of
-		// four parallel arrays; returns one row: how many items' tokens own
-		// their records, and the ordinals of the items whose do not (empty
-		// in the common case, so that a batch comes back as one short row
-		// whatever its size). The items must be distinct and sorted by
-		// key. Locks are taken in that order by construction, whatever
-		// plan the server picks for the update (on a fresh table, a hash
-		// join over a sequential scan visits rows in heap order): the CTE
-		// l locks every item's row first, one primary-key probe per item
-		// in array order (a LATERAL subquery with FOR NO KEY UPDATE cannot
-		// be flattened or hashed, so it runs once per row of unnest, in
-		// its order), and the update waits for it through a one-time
-		// filter on its count, which the executor evaluates before the
-		// update reads a single row. The update then only visits rows it
-		// holds already. A row changed by another transaction after the
-		// statement began is updated in its latest version (PostgreSQL
-		// re-checks the WHERE clause on it), as before. The scopes'
-		// retention windows are joined once, not looked up per item. The
-		// ordinals of the lost items are computed only when the count
-		// says some were lost (the ARRAY subquery is an init plan, which
-		// the server runs only when the CASE needs its value).
-		completeBatch: `WITH l AS MATERIALIZED (
-	SELECT count(*) AS n FROM unnest($1::int4[], $2::bytea[], $3::bytea[]) AS u(scope, id, token)
-	CROSS JOIN LATERAL (
-		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x),
-d AS (
-	UPDATE ` + table + ` r SET
-	result   = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
-	deadline = CASE WHEN r.state = 1 THEN ` + deadline(now+` + GREATEST(`+usec("$5::int8")+`, COALESCE(u.keep, interval '0'))`) + ` ELSE r.deadline END,
-	state    = 2
-	FROM (SELECT u.*, w.retention AS keep
-		FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
-		LEFT JOIN (` + n.scopes + ` s JOIN ` + n.retention + ` w ON w.scope = s.scope) ON s.id = u.scope) u
-	WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
-	RETURNING u.o)
-SELECT c.n, CASE WHEN c.n = cardinality($1::int4[]) THEN '{}'::int8[]
-	ELSE ARRAY(SELECT generate_series(1, cardinality($1::int4[]))::int8 EXCEPT ALL SELECT o FROM d) END
-FROM (SELECT count(*) AS n FROM d) c`,
-		release: `DELETE FROM ` + table + ` WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1`,
+		completeBatch: completeBatchSQL(n, table, cfg.partition > 0),
+		release:       `DELETE FROM ` + table + ` WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1`,
 		extend: `UPDATE ` + table + ` SET deadline = ` + deadline(now+` + `+usec("$4::int8")) + `
 WHERE scope = $1::int4 AND id = $2::bytea AND token = $3::bytea AND state = 1
 RETURNING deadline`,
@@ -460,3 +423,77 @@ func isRecordCheck(err error) bool { return checkFailed(err, recordCheck) }
 
 // sqlLiteral quotes s as an SQL string literal.
 func sqlLiteral(s string) string { return `'` + strings.ReplaceAll(s, `'`, `''`) + `'` }
+
+// completeBatchSQL is CompleteBatch's statement: complete for each (scope,
+// id, token, result) of four parallel arrays; it returns one row: how many
+// items' tokens own their records, and the ordinals of the items whose do
+// not (empty in the common case, so that a batch comes back as one short
+// row whatever its size). The items must be distinct and sorted by key.
+//
+// Locks are taken in that order by construction, whatever plan the server
+// picks: the CTE l locks every item's row first, one primary-key probe per
+// item in array order (a LATERAL subquery with FOR NO KEY UPDATE cannot be
+// flattened or hashed, so it runs once per row of unnest, in its order).
+// A row changed by another transaction after the statement began is
+// locked, and then written, in its latest version. The scopes' retention
+// windows are joined once, not looked up per item. The ordinals of the
+// lost items are computed only when the count says some were lost (the
+// ARRAY subquery is an init plan, which the server runs only when the CASE
+// needs its value).
+//
+// On the plain table the write is an INSERT ... ON CONFLICT DO UPDATE of
+// the rows l locked, so that it finds each row through the primary key by
+// construction too: the planner prices an UPDATE joined with the items as
+// a hash join over a sequential scan of the whole table while the table
+// is small (below some 30,000 rows; and the cached generic plan made while
+// it was smaller keeps doing so as it grows), which cost 3 ms a batch of
+// 100 at 10,000 rows and grew with the table (issue 16). Every row it
+// proposes conflicts (l holds each one locked, so none can be deleted), so
+// it never inserts; its DO UPDATE writes only when the token matches, and
+// in the row's latest version, as an UPDATE would. The partitioned table's
+// primary key holds the partition key too, so it keeps the UPDATE, gated
+// on l through a one-time filter on its count, which the executor
+// evaluates before the update reads a single row.
+func completeBatchSQL(n *names, table string, partitioned bool) string {
+	keep := `LEFT JOIN (` + n.scopes + ` s JOIN ` + n.retention + ` w ON w.scope = s.scope) ON s.id = `
+	expiry := func(keep string) string {
+		return deadline(now + ` + GREATEST(` + usec("$5::int8") + `, COALESCE(` + keep + `, interval '0'))`)
+	}
+	if !partitioned {
+		return `WITH l AS MATERIALIZED (
+	SELECT u.scope, u.id, u.token, u.result FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
+	CROSS JOIN LATERAL (
+		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x),
+d AS (
+	INSERT INTO ` + table + ` AS r (scope, id, state, token, result, deadline, attempts)
+	SELECT l.scope, l.id, 2, l.token, l.result, ` + expiry("w.retention") + `, 1
+	FROM l ` + keep + `l.scope
+	ON CONFLICT (scope, id) DO UPDATE SET
+	result   = CASE WHEN r.state = 1 THEN excluded.result ELSE r.result END,
+	deadline = CASE WHEN r.state = 1 THEN excluded.deadline ELSE r.deadline END,
+	state    = 2
+	WHERE r.token = excluded.token
+	RETURNING r.scope, r.id, r.token)
+SELECT c.n, CASE WHEN c.n = cardinality($1::int4[]) THEN '{}'::int8[]
+	ELSE ARRAY(SELECT u.o FROM unnest($1::int4[], $2::bytea[], $3::bytea[]) WITH ORDINALITY AS u(scope, id, token, o)
+		WHERE NOT EXISTS (SELECT 1 FROM d WHERE d.scope = u.scope AND d.id = u.id AND d.token = u.token)) END
+FROM (SELECT count(*) AS n FROM d) c`
+	}
+	return `WITH l AS MATERIALIZED (
+	SELECT count(*) AS n FROM unnest($1::int4[], $2::bytea[], $3::bytea[]) AS u(scope, id, token)
+	CROSS JOIN LATERAL (
+		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x),
+d AS (
+	UPDATE ` + table + ` r SET
+	result   = CASE WHEN r.state = 1 THEN u.result ELSE r.result END,
+	deadline = CASE WHEN r.state = 1 THEN ` + expiry("u.keep") + ` ELSE r.deadline END,
+	state    = 2
+	FROM (SELECT u.*, w.retention AS keep
+		FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) WITH ORDINALITY AS u(scope, id, token, result, o)
+		` + keep + `u.scope) u
+	WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND (SELECT n FROM l) >= 0
+	RETURNING u.o)
+SELECT c.n, CASE WHEN c.n = cardinality($1::int4[]) THEN '{}'::int8[]
+	ELSE ARRAY(SELECT generate_series(1, cardinality($1::int4[]))::int8 EXCEPT ALL SELECT o FROM d) END
+FROM (SELECT count(*) AS n FROM d) c`
+}
