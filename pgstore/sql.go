@@ -436,10 +436,10 @@ func sqlLiteral(s string) string { return `'` + strings.ReplaceAll(s, `'`, `''`)
 // flattened or hashed, so it runs once per row of unnest, in its order).
 // A row changed by another transaction after the statement began is
 // locked, and then written, in its latest version. The scopes' retention
-// windows are joined once, not looked up per item. The ordinals of the
-// lost items are computed only when the count says some were lost (the
-// ARRAY subquery is an init plan, which the server runs only when the CASE
-// needs its value).
+// windows are looked up once per statement (plain table) or joined once
+// (partitioned), not per item. The ordinals of the lost items are computed
+// only when the count says some were lost (the ARRAY subquery is an init
+// plan, which the server runs only when the CASE needs its value).
 //
 // On the plain table the write is an INSERT ... ON CONFLICT DO UPDATE of
 // the rows l locked, so that it finds each row through the primary key by
@@ -464,10 +464,12 @@ func completeBatchSQL(n *names, table string, partitioned bool) string {
 	SELECT u.scope, u.id, u.token, u.result FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, result)
 	CROSS JOIN LATERAL (
 		SELECT 1 FROM ` + table + ` x WHERE x.scope = u.scope AND x.id = u.id AND x.token = u.token FOR NO KEY UPDATE) x),
+w AS MATERIALIZED (
+	SELECT s.id, x.retention FROM ` + n.scopes + ` s JOIN ` + n.retention + ` x ON x.scope = s.scope WHERE s.id = ANY($1::int4[])),
 d AS (
 	INSERT INTO ` + table + ` AS r (scope, id, state, token, result, deadline, attempts)
 	SELECT l.scope, l.id, 2, l.token, l.result, ` + expiry("w.retention") + `, 1
-	FROM l ` + keep + `l.scope
+	FROM l LEFT JOIN w ON w.id = l.scope
 	ON CONFLICT (scope, id) DO UPDATE SET
 	result   = CASE WHEN r.state = 1 THEN excluded.result ELSE r.result END,
 	deadline = CASE WHEN r.state = 1 THEN excluded.deadline ELSE r.deadline END,
