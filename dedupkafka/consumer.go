@@ -424,9 +424,12 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 // they run again). After a batch that is not clean (a handler failed, a
 // key was found in progress, a record could not be read) the next batch
 // waits for its decisions, so that a record to retry holds the partition
-// before any later batch runs, as in drain.
+// before any later batch runs, as in drain. A batch is built only once
+// the batch two before it was decided (the pipeline holds two): so only
+// the batch right after one whose completion fails can have run.
 func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
-	pl := c.p.NewPipeline(2)
+	const depth = 2
+	pl := c.p.NewPipeline(depth)
 	backlog := pt.backlog
 	var (
 		mu    sync.Mutex // the decisions arrive on the pipeline's goroutine
@@ -440,9 +443,23 @@ func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
 		defer mu.Unlock()
 		return stop >= 0
 	}
+	// decided[k] is closed once batch k's decisions were made. Batch k
+	// takes the pipeline slot of batch k-depth, which is freed only after
+	// its decisions: the hold is checked after they were made, or a batch
+	// built while they were pending would run after a Retry held the
+	// partition.
+	var decided []chan struct{}
 	off := 0
-	for off < len(backlog) && ctx.Err() == nil && !held() {
+	for off < len(backlog) && ctx.Err() == nil {
+		if k := len(decided); k >= depth {
+			<-decided[k-depth]
+		}
+		if held() {
+			break
+		}
 		n := min(c.cfg.batch, len(backlog)-off)
+		dec := make(chan struct{})
+		decided = append(decided, dec)
 		recs, base := backlog[off:off+n], off
 		ms := make([]*consumer.Message, n)
 		errs := make([]error, n)
@@ -461,6 +478,7 @@ func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
 			run, at = append(run, m), append(at, i)
 		}
 		clean := pl.Submit(ctx, run, func(rds []consumer.Decision) {
+			defer close(dec)
 			ds := make([]consumer.Decision, n)
 			for j, d := range rds {
 				ds[at[j]] = d

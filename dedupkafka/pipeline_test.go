@@ -140,3 +140,73 @@ func TestBatchPipelineCompletionLostHoldsPartition(t *testing.T) {
 		t.Errorf("stats %+v: want the partition held and m51..m199 found duplicate when run again", s)
 	}
 }
+
+// TestBatchPipelineHeldCompletionFailureStopsLaterBatches: only the batch
+// right after one whose completion fails may have run (WithBatch's
+// promise). With batches m0..m99, m100..m199, m200..m299 in one poll, the
+// first batch's completion is held while the second is claimed and run;
+// the third is built then and waits for a pipeline slot. The held
+// completion finds m50's lease lost: the partition holds at m50, and no
+// record of the third batch may run before m50 ran again (it used to: the
+// drain checked for a hold before it waited for the slot, which the first
+// batch frees only after its decisions, so the third batch was claimed and
+// run right after the partition was held).
+func TestBatchPipelineHeldCompletionFailureStopsLaterBatches(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 300
+	produce(t, seeds, "orders", n, 7, nil)
+	store := newHeldStore(t)
+	var (
+		mu    sync.Mutex
+		runs  = map[int]int{}
+		early []int // records of the third batch run before m50 ran again
+	)
+	p, err := consumer.New("kafka-pipe", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		i, err := strconv.Atoi(m.ID[1:])
+		if err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		runs[i]++
+		if i >= 200 && runs[50] < 2 {
+			early = append(early, i)
+		}
+		return nil, nil
+	}, consumer.WithLogger(quiet), consumer.WithBackoff(time.Millisecond, 20*time.Millisecond),
+		consumer.WithLease(5*time.Second), consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
+	stop := run(t, c)
+
+	items := <-store.entered
+	if len(items) != 100 || items[0].Claim.Key.ID != "m0" {
+		t.Fatalf("first completion of %d items from %s, want m0..m99", len(items), items[0].Claim.Key.ID)
+	}
+	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
+	time.Sleep(50 * time.Millisecond) // the third batch built and waiting for a slot
+	rc := store.Client()
+	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(items[50].Claim.Key)).Build()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	close(store.release)
+	allCommitted(t, seeds, "g", "orders")
+	stop()
+
+	mu.Lock()
+	defer mu.Unlock()
+	if len(early) > 0 {
+		t.Errorf("%d records of the third batch (m%d...) ran before m50, held after its completion failed, ran again", len(early), early[0])
+	}
+	for i := range n {
+		want := 1
+		if i == 50 {
+			want = 2
+		}
+		if runs[i] != want {
+			t.Errorf("m%d ran %d times, want %d", i, runs[i], want)
+		}
+	}
+}
