@@ -315,6 +315,12 @@ func floorConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch in
 // oursConsume runs the dedupkafka consumer with a processor on store and
 // returns records/s from the first records until all n are final.
 func oursConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, store dedup.Store) float64 {
+	return oursConsumeDepth(b, seeds, groupOpts, n, batch, store, 0)
+}
+
+// oursConsumeDepth is oursConsume with depth batches of a partition in
+// flight in batch mode (0: the default, 2).
+func oursConsumeDepth(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, store dedup.Store, depth int) float64 {
 	topic := benchTopic(b, seeds, n)
 	defer dropTopic(b, seeds, topic)
 	p, err := consumer.New("bench-"+topic, store, benchHandler, consumer.WithLogger(quiet), consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
@@ -326,6 +332,7 @@ func oursConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int
 		b.Fatal(err)
 	}
 	defer cons.Close()
+	cons.pipeDepth = depth
 	go cons.Run(context.Background())
 	for cons.Stats().Records == 0 {
 		time.Sleep(100 * time.Microsecond)
@@ -353,7 +360,9 @@ func oursConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int
 //   - redis: WithBatch(100) on redisstore (one pipelined SET NX GET PX
 //     claim round trip and one completion script round trip per batch of a
 //     partition), against redis-floor: per chunk of 100 a pipelined
-//     SET NX PX and a pipelined SET PX per key.
+//     SET NX PX and a pipelined SET PX per key. redis-depth1: ours with
+//     one batch of a partition in flight (each batch waits for the
+//     previous one's completion: the drain before consumer.Pipeline).
 //   - pg: WithBatch(100) on pgstore (one ClaimBatch and one CompleteBatch
 //     statement per batch), against pg-floor: per chunk of 100 one
 //     INSERT ... SELECT unnest ON CONFLICT DO NOTHING (the claim rows) and
@@ -495,6 +504,10 @@ func BenchmarkFloors(b *testing.B) {
 			defer redisClean(b, "kbench-"+suffix+":")
 			return oursConsume(b, seeds, groupOpts, storeBenchRecords, batch, rs)
 		}},
+		{"redis-depth1", func(b *testing.B) float64 {
+			defer redisClean(b, "kbench-"+suffix+":")
+			return oursConsumeDepth(b, seeds, groupOpts, storeBenchRecords, batch, rs, 1)
+		}},
 		{"pg-floor", func(b *testing.B) float64 {
 			defer pgClean(b, floorTable)
 			return floorConsume(b, seeds, groupOpts, storeBenchRecords, batch, pgClaim, pgComplete)
@@ -504,7 +517,7 @@ func BenchmarkFloors(b *testing.B) {
 			return oursConsume(b, seeds, groupOpts, storeBenchRecords, batch, ps)
 		}},
 	}
-	benchRotate(b, cases, map[string]string{"mem": "mem-floor", "mem-batch100": "mem-floor", "redis": "redis-floor", "pg": "pg-floor"})
+	benchRotate(b, cases, map[string]string{"mem": "mem-floor", "mem-batch100": "mem-floor", "redis": "redis-floor", "redis-depth1": "redis-floor", "pg": "pg-floor"})
 }
 
 // relayBenchRows is the outbox rows per case of BenchmarkRelay.

@@ -35,6 +35,9 @@ type Consumer struct {
 	mu      sync.Mutex
 	parts   map[tp]*part
 	crashed atomic.Bool
+	// pipeDepth is the batches of a partition in flight in batch mode; 0:
+	// 2 (the benchmarks try others).
+	pipeDepth int
 
 	lifecycle
 
@@ -428,7 +431,10 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 // the batch two before it was decided (the pipeline holds two): so only
 // the batch right after one whose completion fails can have run.
 func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
-	const depth = 2
+	depth := c.pipeDepth
+	if depth == 0 {
+		depth = 2
+	}
 	pl := c.p.NewPipeline(depth)
 	backlog := pt.backlog
 	var (

@@ -237,7 +237,10 @@ func benchConsume(b *testing.B, batch, conc int) {
 //
 //   - memstore-batch, redis-batch: the adapter with WithBatchProcessing
 //     on that store (a pipelined batch: its completion overlaps the next
-//     batch's claim, see consumer.Pipeline).
+//     batch's claim, see consumer.Pipeline; two batches in flight).
+//   - redis-batch-depth1: one batch in flight (each batch waits for the
+//     previous one's completion: ProcessBatch's behaviour before the
+//     pipeline); redis-batch-depth3: three.
 //   - redis-floor2: BenchmarkConsume's floor: per batch, a pipeline of
 //     plain SET NX PX, the no-op handlers' place, a pipeline of plain SET
 //     PX, then the acks, each batch after the one before.
@@ -296,7 +299,7 @@ func BenchmarkConsumeRotated(b *testing.B) {
 			_ = js.DeleteStream(ctx, name)
 		}
 	}
-	ours := func(open func(b *testing.B) (dedup.Store, func())) func(b *testing.B) float64 {
+	ours := func(open func(b *testing.B) (dedup.Store, func()), depth int) func(b *testing.B) float64 {
 		return func(b *testing.B) float64 {
 			name, drop := stream(b)
 			defer drop()
@@ -312,6 +315,7 @@ func BenchmarkConsumeRotated(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
+			c.pipeDepth = depth
 			rate := consume(b, c, &done)
 			if s := p.Stats(); s.Applied != n {
 				b.Fatalf("applied %d of %d (stats %+v)", s.Applied, n, s)
@@ -410,8 +414,10 @@ func BenchmarkConsumeRotated(b *testing.B) {
 		name string
 		run  func(b *testing.B) float64
 	}{
-		{"memstore-batch", ours(memOpen)},
-		{"redis-batch", ours(redisOpen)},
+		{"memstore-batch", ours(memOpen, 0)},
+		{"redis-batch", ours(redisOpen, 0)},
+		{"redis-batch-depth1", ours(redisOpen, 1)},
+		{"redis-batch-depth3", ours(redisOpen, 3)},
 		{"redis-floor2", floor(false)},
 		{"redis-floor2-overlap", floor(true)},
 	}

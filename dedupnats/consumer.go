@@ -51,6 +51,7 @@ type Consumer struct {
 	stopping   atomic.Bool   // the pull ended: no request of ours is pending
 	held       heldSet
 	pipe       *consumer.Pipeline // batch processing: completions overlap the next batch
+	pipeDepth  int                // batches in flight in pipe; 0: 2 (the benchmarks try others)
 
 	stats consumerStats
 }
@@ -242,7 +243,11 @@ func (c *Consumer) loop(ctx context.Context, cons jetstream.Consumer) error {
 	chunk := 1 // messages a worker takes from the queue at once
 	if c.cfg.batchProcessing {
 		chunk = max(c.cfg.batch/2, 1)
-		c.pipe = c.p.NewPipeline(2)
+		depth := c.pipeDepth
+		if depth == 0 {
+			depth = 2
+		}
+		c.pipe = c.p.NewPipeline(depth)
 	}
 	// done frees the room of n messages settled.
 	done := func(n int) {
