@@ -440,3 +440,76 @@ func TestPipelineCrashBetweenClaimAndCompletionLosesNothing(t *testing.T) {
 		}
 	}
 }
+
+// TestPipelineBatchRunningHandlersLateIsABarrier: a batch whose
+// decisions run a handler (a key repeated in it, run again after its first
+// run failed) is one the next batch waits for, so handlers never overlap
+// and keep their order. The held completion of the first batch is let go
+// by a claim of the second (which must not come first: the test then
+// fails) or, if none comes, after a pause.
+func TestPipelineBatchRunningHandlersLateIsABarrier(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	g := newGated(t, uniquePrefix(t))
+	var ran ranLog
+	var running, overlapped atomic.Int32
+	var xRuns atomic.Int32
+	p, err := consumer.New("pipe-barrier", g, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		if running.Add(1) > 1 {
+			overlapped.Add(1)
+		}
+		defer running.Add(-1)
+		ran.add(m.ID, d)
+		if m.ID == "x" && xRuns.Add(1) == 1 {
+			return nil, consumer.Transient(errors.New("busy"))
+		}
+		return nil, nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := p.NewPipeline(2)
+	var first, second []consumer.Decision
+	pl.Submit(ctx, msgs("x", "a2", "x"), func(ds []consumer.Decision) { first = ds })
+	<-g.entered // a2's completion is held
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		deadline := time.After(300 * time.Millisecond)
+		for {
+			n := 0
+			for _, l := range g.logged() {
+				if strings.HasPrefix(l, "claim") {
+					n++
+				}
+			}
+			if n >= 2 {
+				break
+			}
+			select {
+			case <-deadline:
+				g.open()
+				return
+			case <-stop:
+				return
+			case <-time.After(time.Millisecond):
+			}
+		}
+		g.open()
+	}()
+	pl.Submit(ctx, msgs("b1"), func(ds []consumer.Decision) { second = ds })
+	pl.Wait()
+
+	if got, want := ran.snapshot(), []string{"x", "a2", "x", "b1"}; !slices.Equal(got, want) {
+		t.Errorf("handlers ran %v, want %v (the repeated x in its turn before the next batch)", got, want)
+	}
+	if n := overlapped.Load(); n != 0 {
+		t.Errorf("%d handler runs overlapped another", n)
+	}
+	if len(first) != 3 || first[0].Action != consumer.Retry || first[1].Action != consumer.Ack || first[2].Action != consumer.Ack {
+		t.Errorf("first batch decisions %+v, want Retry, Ack, Ack", first)
+	}
+	if len(second) != 1 || second[0].Action != consumer.Ack {
+		t.Errorf("second batch decisions %+v", second)
+	}
+}
