@@ -645,19 +645,20 @@ func (p *Processor) attempt(ctx context.Context, m *Message, d Delivery, h func(
 }
 
 func (p *Processor) keyOf(m *Message) (dedup.Key, error) {
-	var k dedup.Key
-	switch {
-	case p.cfg.key != nil:
-		var err error
-		if k, err = p.cfg.key(m); err != nil {
+	if p.cfg.key != nil {
+		k, err := p.cfg.key(m)
+		if err != nil {
 			return k, err
 		}
-	case p.cfg.businessKey && m.BusinessKey != "":
-		k = dedup.Key{Scope: p.cfg.scope, ID: m.BusinessKey}
-	default:
-		k = dedup.Key{Scope: p.cfg.scope, ID: m.ID}
+		return k, k.Validate()
 	}
-	return k, k.Validate()
+	id := m.ID
+	if p.cfg.businessKey && m.BusinessKey != "" {
+		id = m.BusinessKey
+	}
+	// The scope is the processor's, which newProcessor validated: only the
+	// ID is checked again (beside a one-byte scope: the same error for it).
+	return dedup.Key{Scope: p.cfg.scope, ID: id}, dedup.Key{Scope: "s", ID: id}.Validate()
 }
 
 // deadLetter hands m to the sink and, once it is kept, decides

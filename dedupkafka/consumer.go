@@ -39,6 +39,14 @@ type Consumer struct {
 	// 2 (the benchmarks try others).
 	pipeDepth int
 
+	// rebalance is set when a rebalance waits for the loop to allow it
+	// (kgo.OnPartitionsCallbackBlocked); pollMu guards pollCancel, the
+	// cancel of the poll in progress, which the callback calls so that a
+	// poll waiting for records does not hold the rebalance up.
+	rebalance  atomic.Bool
+	pollMu     sync.Mutex
+	pollCancel context.CancelFunc
+
 	lifecycle
 
 	st consumerStats
@@ -167,6 +175,7 @@ func NewConsumer(brokers []string, group string, topics []string, p *consumer.Pr
 		kgo.ConsumeTopics(topics...),
 		kgo.DisableAutoCommit(),
 		kgo.BlockRebalanceOnPoll(),
+		kgo.OnPartitionsCallbackBlocked(c.blocked),
 		kgo.OnPartitionsRevoked(c.revoked),
 		kgo.OnPartitionsLost(c.lost),
 	)
@@ -239,17 +248,45 @@ func (c *Consumer) Close() error {
 	return nil
 }
 
+// loop polls, processes and commits until ctx is done. The commit of a
+// round's offsets runs while the next round is polled and processed
+// (pipelined: the commit's round trip overlaps the work), and the
+// rebalance that BlockRebalanceOnPoll holds back is allowed only once no
+// commit is in flight: when one waits (blocked), the loop waits for the
+// commit in flight, commits the round it just processed synchronously and
+// allows the rebalance, so that a rebalance never interleaves with
+// processing or a commit. Every return waits for the commit in flight and
+// allows the rebalance, so that leaving the group (Close) can proceed.
 func (c *Consumer) loop(ctx context.Context) error {
+	var inflight chan struct{} // closed when the commit in flight is done; nil if none
+	settle := func() {
+		if inflight != nil {
+			<-inflight
+			inflight = nil
+		}
+	}
+	defer func() {
+		settle()
+		c.cl.AllowRebalance()
+	}()
 	for ctx.Err() == nil {
 		pctx, cancel := context.WithCancel(ctx)
 		if d, ok := c.nextDue(); ok {
 			cancel()
 			pctx, cancel = context.WithTimeout(ctx, max(d, 0))
 		}
+		c.pollMu.Lock()
+		c.pollCancel = cancel
+		if c.rebalance.Load() {
+			cancel() // a rebalance waits: take what is buffered and let it in
+		}
+		c.pollMu.Unlock()
 		fs := c.cl.PollRecords(pctx, c.cfg.maxPoll)
+		c.pollMu.Lock()
+		c.pollCancel = nil
+		c.pollMu.Unlock()
 		cancel()
 		if fs.IsClientClosed() {
-			c.cl.AllowRebalance()
 			return nil
 		}
 		fs.EachError(func(t string, p int32, err error) {
@@ -261,14 +298,38 @@ func (c *Consumer) loop(ctx context.Context) error {
 		c.round(ctx, work)
 		if c.cfg.crash != nil && c.cfg.crash(c.finalOffsets(work)) {
 			c.crashed.Store(true)
-			c.cl.AllowRebalance()
 			return errCrashed
 		}
-		c.commit(ctx, work, false)
+		settle()
+		if c.rebalance.Swap(false) || ctx.Err() != nil {
+			c.commit(ctx, work, false)
+			c.pauseResume(work)
+			c.cl.AllowRebalance()
+			continue
+		}
+		// The offsets are taken now: the next round's drain moves pt.next.
+		offs := c.finalOffsets(work)
+		done := make(chan struct{})
+		inflight = done
+		go func() {
+			defer close(done)
+			c.commitOffsets(ctx, work, offs, false)
+		}()
 		c.pauseResume(work)
-		c.cl.AllowRebalance()
 	}
 	return nil
+}
+
+// blocked runs, on a goroutine of its own, when a rebalance waits for the
+// loop to allow it: it tells the loop, and ends a poll that waits for
+// records.
+func (c *Consumer) blocked(context.Context, *kgo.Client) {
+	c.pollMu.Lock()
+	defer c.pollMu.Unlock()
+	c.rebalance.Store(true)
+	if c.pollCancel != nil {
+		c.pollCancel()
+	}
 }
 
 // nextDue returns how long until the earliest held partition may run.
@@ -349,6 +410,19 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 	b := c.cfg.batch
 	msBuf, dsBuf := make([]*consumer.Message, b), make([]consumer.Decision, b)
 	run, at := make([]*consumer.Message, 0, b), make([]int, 0, b)
+	// The counts of final records go to the shared stats once per drain,
+	// not once per record: partitions run on several cores at once, and an
+	// atomic add per record makes them fight over its cache line.
+	var final, duplicates, deadLettered uint64
+	defer func() {
+		c.st.final.Add(final)
+		if duplicates > 0 {
+			c.st.duplicates.Add(duplicates)
+		}
+		if deadLettered > 0 {
+			c.st.deadLettered.Add(deadLettered)
+		}
+	}()
 	for len(pt.backlog) > 0 && ctx.Err() == nil {
 		n := min(b, len(pt.backlog))
 		recs := pt.backlog[:n]
@@ -400,12 +474,12 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 					slog.String("message_id", ms[i].ID), slog.Duration("delay", d.Delay), slog.Any("err", d.Err))
 				return
 			}
-			c.st.final.Add(1)
+			final++
 			if d.Duplicate {
-				c.st.duplicates.Add(1)
+				duplicates++
 			}
 			if d.Action == consumer.DeadLettered {
-				c.st.deadLettered.Add(1)
+				deadLettered++
 			}
 			pt.next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
 		}
@@ -582,6 +656,12 @@ func (c *Consumer) commit(ctx context.Context, parts []*part, locked bool) {
 	} else {
 		offs = c.finalOffsets(parts)
 	}
+	c.commitOffsets(ctx, parts, offs, locked)
+}
+
+// commitOffsets commits offs, the final offsets of parts; locked says
+// whether the caller holds c.mu.
+func (c *Consumer) commitOffsets(ctx context.Context, parts []*part, offs map[string]map[int32]kgo.EpochOffset, locked bool) {
 	if len(offs) == 0 {
 		return
 	}

@@ -28,8 +28,10 @@
 //     partitions run in parallel, at most [WithConcurrency] at once.
 //   - Offsets are committed only up to the highest contiguous record whose
 //     decision is final (applied, duplicate, rejected, dead-lettered),
-//     synchronously after each poll's records were processed, on a context
-//     detached from Run's.
+//     after each poll's records were processed, on a context detached from
+//     Run's. The commit runs while the next poll's records are processed
+//     (its round trip overlaps the work; the next commit waits for it), so
+//     after a crash up to two polls' records come again, as duplicates.
 //   - Retry: Kafka has no per-record negative acknowledgement. A Retry
 //     decision holds its partition: its fetches are paused, the record
 //     and those after it wait in memory for the processor's delay (capped
@@ -37,7 +39,10 @@
 //     held record is committed.
 //   - Rebalances: the client is built with kgo.BlockRebalanceOnPoll, so a
 //     rebalance waits until the poll's records are processed and their
-//     offsets committed: it never interleaves with processing or a commit.
+//     offsets committed: it never interleaves with processing or a commit
+//     (kgo.OnPartitionsCallbackBlocked tells the consumer that one waits;
+//     it then waits for the commit in flight, commits synchronously and
+//     lets the rebalance in).
 //     On revocation the consumer commits what is final and drops the
 //     partition's unfinished records (the new owner reads them again from
 //     the committed offset and dedup absorbs any repeat). On loss

@@ -140,7 +140,8 @@ func WithWarning(f func(ctx context.Context, w Warning)) ConsumerOption {
 // WithClientOptions adds franz-go options to the consumer's client (TLS,
 // SASL, timeouts, a balancer, a rack). The adapter's own options
 // (ConsumerGroup, ConsumeTopics, DisableAutoCommit, BlockRebalanceOnPoll,
-// the partition callbacks) are applied after them and win. Default none.
+// the partition callbacks, OnPartitionsCallbackBlocked) are applied after
+// them and win. Default none.
 func WithClientOptions(opts ...kgo.Opt) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.kopts = append(c.kopts, opts...) })
 }
