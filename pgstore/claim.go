@@ -307,7 +307,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		err = s.partitionedBatch(ctx, order, reqs, textScopes, textIDs, scopes, ids, tokens, fps, micros(lease), scan)
 	} else {
 		inserted := false
-		if !s.batchFound.Load() {
+		if s.guess.try() {
 			// The common batch: every key new. Insert them all and be done,
 			// or learn that one was stored and claim with the full statement.
 			var until time.Time
@@ -315,7 +315,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 				summary = row{state: 0, attempts: int32(n), leaseUntil: until, expiresAt: until}
 				summarized = true
 			} else if err == nil {
-				s.batchFound.Store(true)
+				s.guess.wrong()
 			}
 		}
 		if !inserted && err == nil {
@@ -340,9 +340,8 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 				err = cerr
 			}
 			if err == nil {
-				// Only the summary row came back: every key was new, and the
-				// next batch tries the insert of new keys again.
-				s.batchFound.Store(got > 0)
+				// Only the summary row came back when every key was new.
+				s.guess.full(got == 0)
 			}
 		}
 	}
@@ -403,8 +402,8 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 // statement, and each transaction takes its row locks in key order, as the
 // full statement does. Such a failed attempt logs the unique violation in
 // the server's log and leaves the rows inserted before it as dead
-// versions; the store tries the fast path again only after a batch of new
-// keys (see Store.batchFound).
+// versions; the store tries the fast path again only after a run of
+// batches of new keys that each wrong guess makes longer (see guessGate).
 //
 // Without the per-key report of the full statement (a flag or a record
 // for each key, through a CTE), a batch of new keys costs no more than a

@@ -13,10 +13,11 @@ import (
 // ClaimBatch on the plain table first inserts a batch's keys as new ones
 // (one INSERT with no ON CONFLICT clause). A batch with a stored key
 // fails that insert, which writes nothing, and is claimed by the full
-// statement with the same results as claiming each key alone; the next
-// batch goes to the full statement at once, and a batch of only new keys
-// brings the insert back. The records of the keys a fast batch acquired
-// carry the tokens and lease end it returned.
+// statement with the same results as claiming each key alone. After such
+// a wrong guess the store claims with the full statement until it has
+// seen a run of batches of only new keys, a run that each wrong guess
+// doubles. The records of the keys a fast batch acquired carry the tokens
+// and lease end it returned.
 func TestClaimBatchNewKeysThenStored(t *testing.T) {
 	s := openStore(t)
 	ctx := context.Background()
@@ -60,9 +61,13 @@ func TestClaimBatchNewKeysThenStored(t *testing.T) {
 		}
 		stored(c)
 	}
-	if pgstore.BatchFound(s) {
-		t.Fatal("a batch of new keys marked the store as having found a stored key")
+	gate := func(what string, wait, run int) {
+		t.Helper()
+		if w, r := pgstore.GuessWait(s); w != wait || r != run {
+			t.Fatalf("%s: the store waits for %d batches of new keys (run %d), want %d (run %d)", what, w, r, wait, run)
+		}
 	}
+	gate("after a batch of new keys", 0, 0)
 
 	// Stored keys in every state among new ones.
 	done := mustClaim(t, s, "done", fpA, lease, dedup.Acquired)
@@ -100,25 +105,25 @@ func TestClaimBatchNewKeysThenStored(t *testing.T) {
 			stored(c)
 		}
 	}
-	if !pgstore.BatchFound(s) {
-		t.Fatal("a batch with stored keys did not mark the store")
-	}
+	gate("after a wrong guess", 1, 1)
 	// The failed insert left nothing: one record per key claimed so far.
 	if n := queryInt(t, pool, `SELECT count(*) FROM `+table); n != 50+40+4 {
 		t.Fatalf("%d records, want %d", n, 50+40+4)
 	}
 
-	// Next batch: the full statement at once (a stored key in it keeps
-	// the mark), then a batch of new keys clears it, and the one after
-	// inserts again.
+	// Next batch: the full statement at once (a stored key in it restarts
+	// the run), then a batch of new keys ends the run, and the one after
+	// guesses again.
 	again, err := s.ClaimBatch(ctx, append(batch("again", 5), dedup.ClaimRequest{Key: key("done"), Fingerprint: fpA}), lease)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if again[5].Outcome != dedup.Duplicate || !pgstore.BatchFound(s) {
-		t.Fatalf("after a stored key: %v, mark %v", again[5].Outcome, pgstore.BatchFound(s))
+	if again[5].Outcome != dedup.Duplicate {
+		t.Fatalf("after a stored key: %v", again[5].Outcome)
 	}
-	for _, p := range []string{"fresh", "fresher"} {
+	gate("after a full batch with a stored key", 1, 1)
+	fresh := func(p string) {
+		t.Helper()
 		cs, err := s.ClaimBatch(ctx, batch(p, 10), lease)
 		if err != nil {
 			t.Fatal(err)
@@ -129,8 +134,31 @@ func TestClaimBatchNewKeysThenStored(t *testing.T) {
 			}
 			stored(c)
 		}
-		if pgstore.BatchFound(s) {
-			t.Fatalf("batch %s of new keys left the mark set", p)
+	}
+	fresh("fresh")
+	gate("after the run", 0, 1)
+	fresh("fresher")
+	gate("after a right guess", 0, 1)
+
+	// Each wrong guess doubles the run: 2, then 4. While the store waits it
+	// does not guess: the count goes down only through the full statement.
+	for i, run := range []int{2, 4} {
+		mixed := append(batch(fmt.Sprintf("m%d", i), 5), dedup.ClaimRequest{Key: key("done"), Fingerprint: fpA})
+		cs, err := s.ClaimBatch(ctx, mixed, lease)
+		if err != nil {
+			t.Fatal(err)
 		}
+		if cs[5].Outcome != dedup.Duplicate || cs[0].Outcome != dedup.Acquired {
+			t.Fatalf("mixed batch %d: %v, %v", i, cs[0].Outcome, cs[5].Outcome)
+		}
+		gate(fmt.Sprintf("after wrong guess %d", i+2), run, run)
+		for j := range run {
+			fresh(fmt.Sprintf("f%d-%d", i, j))
+			gate(fmt.Sprintf("after %d batches of new keys", j+1), run-j-1, run)
+		}
+	}
+	// No record twice, none lost: every claimed key has one row.
+	if n := queryInt(t, pool, `SELECT count(*) FROM `+table); n != 50+40+4+5+10+10+5+2*10+5+4*10 {
+		t.Fatalf("%d records, want %d", n, 50+40+4+5+10+10+5+2*10+5+4*10)
 	}
 }

@@ -36,6 +36,12 @@ var (
 	FingerprintDigest = fpDigest
 )
 
-// BatchFound reports whether s's next plain ClaimBatch goes straight to
-// the full statement because the last one found a stored key.
-func BatchFound(s *Store) bool { return s.batchFound.Load() }
+// GuessWait returns how many batches of new keys s's plain ClaimBatch
+// still wants to see, claimed by the full statement, before it guesses
+// again that a batch is all new (0: the next batch guesses), and the run
+// it wants after a wrong guess.
+func GuessWait(s *Store) (wait, run int) {
+	s.guess.mu.Lock()
+	defer s.guess.mu.Unlock()
+	return s.guess.wait, s.guess.run
+}
