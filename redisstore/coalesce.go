@@ -3,6 +3,7 @@ package redisstore
 import (
 	"bytes"
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -124,6 +125,7 @@ func (s *Store) completeCoalesced(ctx context.Context, c dedup.Claim, result []b
 	}
 	co.mu.Lock()
 	take := !b.taken
+	lone := take && len(b.items) == 1 && s.inlineLone
 	if take {
 		b.taken = true
 		if co.cur == b {
@@ -132,13 +134,21 @@ func (s *Store) completeCoalesced(ctx context.Context, c dedup.Claim, result []b
 		// Under mu, which close takes before it waits: every flush
 		// started is waited for.
 		co.flushes.Add(1)
-		go func() {
-			defer co.flushes.Done()
-			s.flush(ctx, b)
-			<-co.sem
-		}()
+		if !lone {
+			go func() {
+				defer co.flushes.Done()
+				s.flush(ctx, b)
+				<-co.sem
+			}()
+		}
 	}
 	co.mu.Unlock()
+	if lone {
+		s.flushLone(ctx, b)
+		<-co.sem
+		co.flushes.Done()
+		return b.errs[i]
+	}
 	if !take {
 		// Another caller sent this batch (or Close failed it): give the
 		// slot back.
@@ -163,6 +173,50 @@ func (s *Store) abandon(ctx context.Context, b *pendingBatch, i int) error {
 	}
 	b.dropped[i] = true
 	return &dedup.StoreError{Store: storeName, Op: "complete", Err: ctx.Err(), NotApplied: true}
+}
+
+// flushLone sends b, which holds only its caller's item, on the caller's
+// goroutine: no goroutine is started and no reply handed over, which is
+// what a lone caller (one worker) paid for on every completion. Nobody
+// else waits for b, so the caller's context may end the send: the call
+// runs on a context that ends with ctx (its cancellation or its deadline)
+// or with Close, and has no deadline of its own, so that rueidis queues it
+// on its pipelined connection and gives up at once when it ends (with a
+// deadline rueidis may send on an idle connection synchronously, which
+// waits for the deadline whatever the cancellation). A caller that gives
+// up gets an error wrapping its context's, outcome unknown (the call may
+// have been sent), as when it gives up on a batch in flight; unlike a
+// batch in flight, whose flush goes on, a lone call given up on before
+// rueidis wrote it is not sent (its record stays in progress until its
+// lease ends, as after any lost completion). Only on a
+// client that pipelines (Store.inlineLone): a client with
+// DisableAutoPipelining sends every call synchronously, so there the
+// flush goroutine stays, and the caller still returns when its context
+// ends.
+func (s *Store) flushLone(ctx context.Context, b *pendingBatch) {
+	if err := ctx.Err(); err != nil {
+		// Not sent: the caller gave up first.
+		b.errs = []error{&dedup.StoreError{Store: storeName, Op: "complete", Err: err, NotApplied: true}}
+		close(b.done)
+		return
+	}
+	fctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	defer context.AfterFunc(ctx, cancel)()
+	defer context.AfterFunc(s.coalesce.stop, cancel)()
+	errs := make([]error, 1)
+	s.completeItems(fctx, b.items, b.rets[0], errs)
+	if errs[0] != nil && fctx.Err() != nil && !errors.Is(errs[0], dedup.ErrLeaseLost) {
+		// The reply was given up on: report the caller's own cause
+		// (ErrClosed after Close).
+		cause := ctx.Err()
+		if cause == nil {
+			cause = fctx.Err()
+		}
+		errs[0] = s.fail("complete", cause)
+	}
+	b.errs = errs
+	close(b.done)
 }
 
 // flush sends b and publishes one error per item. It runs on a context

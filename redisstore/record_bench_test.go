@@ -222,7 +222,10 @@ return 1
 //   - ours-batch: CompleteBatch (128 keys a call);
 //   - ours-single: Complete from 64 goroutines (coalesced: concurrent
 //     calls share script calls);
-//   - ours-lone: Complete from one goroutine (one script call a key);
+//   - ours-lone: Complete from one goroutine (one call of the one-key
+//     script a key);
+//   - set-lone: plain SET PX of a 92-byte value from one goroutine, one
+//     at a time (the floor of ours-lone: one unfenced write a key);
 //   - single-script: the previous Complete, one script call a key from 64
 //     goroutines (previousCompleteOne below), the baseline of ours-single.
 func BenchmarkCompleteServerTime(b *testing.B) {
@@ -332,6 +335,17 @@ func BenchmarkCompleteServerTime(b *testing.B) {
 					if err := s.Complete(ctx, cl, result, time.Hour); err != nil {
 						b.Fatal(err)
 					}
+				}
+			}
+		}},
+		{name: "set-lone", cmds: []string{"set"}, prepare: func() func() {
+			cmds := make(rueidis.Commands, keys)
+			for i := range cmds {
+				cmds[i] = c.B().Set().Key(s.RedisKey(uuidKey(6, round*keys+i))).Value(value).PxMilliseconds(time.Hour.Milliseconds()).Build()
+			}
+			return func() {
+				for _, cmd := range cmds {
+					do(b, c, cmd)
 				}
 			}
 		}},

@@ -35,6 +35,12 @@ type Store struct {
 	coalesce               *coalescer // concurrent Complete calls, sent together
 	cluster                bool       // keys of one script must share a slot
 
+	// inlineLone: a lone completion is sent on its caller's goroutine
+	// (flushLone). Set by Open when the client pipelines (rueidis queues
+	// a call whose context can end and gives up on it when it ends) and
+	// no WAIT follows completions.
+	inlineLone bool
+
 	ackReplicas int64 // WAIT for this many replicas after a completion (0: no WAIT)
 	ackTimeout  int64 // ms
 }
@@ -134,6 +140,7 @@ func Open(opt rueidis.ClientOption, opts ...Option) (*Store, error) {
 		return nil, err
 	}
 	s.ownClient = true
+	s.inlineLone = !opt.DisableAutoPipelining && s.ackReplicas == 0
 	return s, nil
 }
 
