@@ -235,9 +235,15 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	if !s.converted.Load() {
 		textScopes, textIDs = make([]string, n), make([]string, n)
 	}
+	// The digests and IDs of the batch share one buffer each.
+	fpBuf := make([]byte, 16*len(reqs))
+	var scratch []byte
+	idBytes := 0
 	for i := range reqs {
-		fpds[i] = fpDigest(reqs[i].Fingerprint)
+		fpds[i], scratch = digestInto(fpBuf[16*i:16*i:16*i+16], scratch, reqs[i].Fingerprint)
+		idBytes += len(reqs[i].Key.ID) + 1
 	}
+	idBuf := make([]byte, 0, idBytes)
 	// Every token of the batch is the batch's random prefix and then the
 	// key's position in it: unique per key (the prefix is 64 random bits
 	// per batch), and the plain statement tells the records it acquired by
@@ -252,14 +258,17 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		}
 		copy(toks[i][:8], prefix[:8])
 		binary.BigEndian.PutUint64(toks[i][8:], uint64(j)+1)
-		scopes[j], ids[j] = sid, encodeID(k.ID)
+		start := len(idBuf)
+		idBuf = appendID(idBuf, k.ID)
+		scopes[j], ids[j] = sid, idBuf[start:len(idBuf):len(idBuf)]
 		tokens[j], fps[j] = toks[i][:], fpds[i]
 		if textScopes != nil {
 			textScopes[j], textIDs[j] = k.Scope, k.ID
 		}
 	}
-	rowsOf := make([]row, len(reqs)) // indexed like reqs; set for first requests with a row
-	hasRow := make([]bool, len(reqs))
+	var rowsOf []row // indexed like reqs; set for first requests with a row
+	var hasRow []bool
+	rowsFor := func() { rowsOf, hasRow = make([]row, len(reqs)), make([]bool, len(reqs)) }
 	got := 0
 	// The plain statement returns a row only for a key it did not acquire
 	// with attempt 1, then a summary row (state 0) with the number of keys
@@ -304,6 +313,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	}
 	var err error
 	if s.cfg.partition > 0 {
+		rowsFor()
 		err = s.partitionedBatch(ctx, order, reqs, textScopes, textIDs, scopes, ids, tokens, fps, micros(lease), scan)
 	} else {
 		inserted := false
@@ -312,13 +322,26 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 			// or learn that one was stored and claim with the full statement.
 			var until time.Time
 			if until, inserted, err = s.claimNew(ctx, textScopes, textIDs, scopes, ids, tokens, fps, micros(lease)); inserted {
-				summary = row{state: 0, attempts: int32(n), leaseUntil: until, expiresAt: until}
-				summarized = true
+				// Every key acquired with attempt 1 and its own token; a
+				// repeat of a key in the batch reads its first request's
+				// record.
+				for i, r := range reqs {
+					if f := first[i]; f != i {
+						rr := row{state: stateInProgress, token: toks[f][:], attempts: 1, fingerprint: fpds[f], leaseUntil: until, expiresAt: until}
+						if out[i], err = outcome(r.Key, r.Fingerprint, fpds[i], nil, &rr); err != nil {
+							return nil, s.fail(ctx, "claim batch", err, false)
+						}
+						continue
+					}
+					out[i] = dedup.Claim{Key: r.Key, Outcome: dedup.Acquired, Token: toks[i], Attempt: 1, LeaseUntil: until}
+				}
+				return out, nil
 			} else if err == nil {
 				s.guess.wrong()
 			}
 		}
 		if !inserted && err == nil {
+			rowsFor()
 			var batch pgx.Batch
 			adopt := s.queueAdopt(&batch, false, textScopes, textIDs, scopes)
 			batch.Queue(s.sql.claimBatch, scopes, ids, tokens, fps, micros(lease), prefix[:8])
@@ -388,14 +411,15 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 
 // claimNew is ClaimBatch's fast path on the plain table, for a batch
 // whose keys are all new (distinct, sorted; the arrays as for the
-// claimBatch statement): one plain INSERT of every key's record in
-// progress, in array order, and a SELECT of their lease end, in one round
-// trip and one implicit transaction. It reports whether the keys were
-// inserted, all of them acquired with attempt 1 and the tokens sent.
+// claimBatch statement): one statement that inserts every key's record in
+// progress, in array order, with no ON CONFLICT clause, and returns their
+// lease end (see newBatch). It reports whether the keys were inserted, all
+// of them acquired with attempt 1 and the tokens sent: a plain INSERT ...
+// SELECT FROM unnest inserts a row for every element or fails.
 //
 // A key already stored (in any state, or inserted by a concurrent
 // transaction that then committed) makes the INSERT fail with a unique
-// violation, which rolls the whole transaction back: nothing is written,
+// violation, which rolls the whole statement back: nothing is written,
 // the locks taken so far are released, and claimNew returns false with no
 // error, for the caller to claim the batch with the full statement, which
 // reads every stored record. So each key's outcome is decided by one
@@ -408,32 +432,27 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 // Without the per-key report of the full statement (a flag or a record
 // for each key, through a CTE), a batch of new keys costs no more than a
 // raw INSERT ... ON CONFLICT DO NOTHING of the same rows (see
-// BenchmarkBatchVsRaw). The lease end is computed from the transaction's
-// start (now()), which both statements share.
+// BenchmarkBatchVsRaw).
 func (s *Store) claimNew(ctx context.Context, textScopes, textIDs []string, scopes []int32, ids, tokens, fps [][]byte, lease int64) (until time.Time, inserted bool, err error) {
-	var batch pgx.Batch
-	adopt := s.queueAdopt(&batch, false, textScopes, textIDs, scopes)
-	batch.Queue(s.sql.claimNew, scopes, ids, tokens, fps, lease)
-	batch.Queue(s.sql.claimNewUntil, lease)
-	br := s.pool.SendBatch(ctx, &batch)
-	if adopt {
-		err = s.readAdopt(br)
-	}
-	var tag pgconn.CommandTag
-	if err == nil {
-		tag, err = br.Exec()
-	}
-	if err == nil {
-		err = br.QueryRow().Scan(&until)
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
+	if s.converted.Load() {
+		err = s.pool.QueryRow(ctx, s.sql.claimNew, scopes, ids, tokens, fps, lease).Scan(&until)
+	} else {
+		var batch pgx.Batch
+		adopt := s.queueAdopt(&batch, false, textScopes, textIDs, scopes)
+		batch.Queue(s.sql.claimNew, scopes, ids, tokens, fps, lease)
+		br := s.pool.SendBatch(ctx, &batch)
+		if adopt {
+			err = s.readAdopt(br)
+		}
+		if err == nil {
+			err = br.QueryRow().Scan(&until)
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
 	}
 	if s.keyStored(err) {
 		return time.Time{}, false, nil
-	}
-	if err == nil && tag.RowsAffected() != int64(len(ids)) {
-		err = fmt.Errorf("the batch inserted %d keys of %d", tag.RowsAffected(), len(ids))
 	}
 	return until, err == nil, err
 }

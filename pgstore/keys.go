@@ -18,16 +18,17 @@ import (
 // UUID as its 16 bytes, any other ID as its bytes, after a zero byte when
 // it is itself 16 bytes long. A valid ID has no control character, so no
 // text ID starts with a zero byte and the forms never collide.
-func encodeID(id string) []byte {
+func encodeID(id string) []byte { return appendID(make([]byte, 0, len(id)+1), id) }
+
+// appendID appends encodeID(id) to dst.
+func appendID(dst []byte, id string) []byte {
 	if u, ok := parseUUID(id); ok {
-		return u[:]
+		return append(dst, u[:]...)
 	}
 	if len(id) == 16 {
-		b := make([]byte, 17)
-		copy(b[1:], id)
-		return b
+		dst = append(dst, 0)
 	}
-	return []byte(id)
+	return append(dst, id...)
 }
 
 // decodeID is the inverse of encodeID.
@@ -99,11 +100,21 @@ func formatUUID(b []byte) string {
 // spells, as version 6 did, stored two fingerprints that differ only in
 // their last 32 digits alike: TestFingerprintDifferentLateIsMismatch.)
 func fpDigest(fp dedup.Fingerprint) []byte {
+	d, _ := digestInto(make([]byte, 0, 16), nil, fp)
+	return d
+}
+
+// digestInto is fpDigest writing the digest into dst (empty, with room
+// for 16 bytes) and hashing a copy of fp made in scratch, which it
+// returns for the next call: a batch's digests then take no allocation
+// each.
+func digestInto(dst, scratch []byte, fp dedup.Fingerprint) (d, scratchOut []byte) {
 	if fp == "" {
-		return []byte{}
+		return dst, scratch
 	}
-	sum := sha256.Sum256([]byte(fp))
-	return sum[:16]
+	scratch = append(scratch[:0], fp...)
+	sum := sha256.Sum256(scratch)
+	return append(dst, sum[:16]...), scratch
 }
 
 // recordFingerprint returns the fingerprint a record with stored digest d

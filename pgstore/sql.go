@@ -30,10 +30,10 @@ type statements struct {
 	// lockMany) in the same transaction, in a later statement so that its
 	// snapshot sees every commit made before the lock was granted.
 	pClaim, pInbox, pClaimBatch string
-	// claimNew and claimNewUntil: ClaimBatch's fast path for a batch of
-	// new keys (see Store.claimNew).
-	claimNew, claimNewUntil string
-	lock, lockMany          string
+	// claimNew: ClaimBatch's fast path for a batch of new keys (see
+	// Store.claimNew).
+	claimNew       string
+	lock, lockMany string
 	// Token-fenced transitions, on whichever table the store uses.
 	complete, completeBatch, release, extend, inboxResult string
 	// inboxResultChecked is inboxResult for a pipeline that commits
@@ -206,22 +206,20 @@ UNION ALL
 SELECT NULL, NULL, 0::int2, NULL, count(*)::int4, NULL, NULL, ` + k.deadline + `, ` + k.deadline + ` FROM ins`
 }
 
-// newDeadline is the lease end of claimNew's records: the lease (param,
-// microseconds) from the transaction's start, which the INSERT and the
-// SELECT that reads it back share.
-func newDeadline(param string) string {
-	return deadline(`now() + ` + usec(param+`::int8`))
-}
-
-// newBatch is the INSERT of claimNew: every key's record in progress, in
-// array order, with no ON CONFLICT clause, so that a stored key fails the
-// whole statement ($1 scopes, $2 ids, $3 tokens, $4 fingerprints, lease
-// the lease's parameter). The deadline is an uncorrelated subquery,
-// evaluated once.
-func newBatch(n *names, lease string) string {
-	return `INSERT INTO ` + n.records + ` ` + columns + `
-SELECT u.scope, u.id, 1, u.token, u.fp, NULL, (SELECT ` + newDeadline(lease) + `), 1
-FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp)`
+// newBatch is claimNew's statement: the INSERT of every key's record of
+// kind k, in array order, with no ON CONFLICT clause, so that a stored key
+// fails the whole statement ($1 scopes, $2 ids, $3 tokens, $4
+// fingerprints, then the kind's parameter), and the one row it returns:
+// the deadline of those records (the same for every row: the statement's
+// time is fixed). The INSERT is a data-modifying CTE with no RETURNING,
+// which the server runs to completion without keeping its rows; the
+// deadline is an uncorrelated subquery, evaluated once.
+func newBatch(n *names, k kind) string {
+	return `WITH ins AS (
+	INSERT INTO ` + n.records + ` ` + columns + `
+	SELECT u.scope, u.id, ` + k.state + `, u.token, u.fp, ` + k.result + `, (SELECT ` + k.deadline + `), 1
+	FROM unnest($1::int4[], $2::bytea[], $3::bytea[], $4::bytea[]) AS u(scope, id, token, fp))
+SELECT ` + k.deadline
 }
 
 // partitionedUpsert is the claim on the partitioned table, for the keys of
@@ -325,17 +323,16 @@ func buildStatements(n *names, cfg *config) statements {
 VALUES ` + values(applyKind(n, "$1::int4")) + `
 ON CONFLICT (scope, id) DO UPDATE SET attempts = (` + sqlLiteral(applyTaken+": ") + ` || r.state)::int
 RETURNING r.attempts, r.deadline, r.deadline`,
-		apply:         `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::int4"), `r.attempts, r.deadline AS lease_until, r.deadline AS expires_at`) + `)` + applyCheck("c"),
-		applyCurrent:  `SELECT ` + rReturning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::int4 AND r.id = $2::bytea`,
-		pApply:        partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins"),
-		current:       `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::int4 AND id = $2::bytea`,
-		claimBatch:    plainBatch(n, leaseKind("$5")),
-		claimNew:      newBatch(n, "$5"),
-		claimNewUntil: `SELECT ` + newDeadline("$1"),
-		pClaim:        partitionedUpsert(n, leaseKind("$5"), scalarSource),
-		pInbox:        partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
-		pClaimBatch:   partitionedUpsert(n, leaseKind("$5"), arraySource),
-		lock:          `SELECT pg_advisory_xact_lock($1::int8)`,
+		apply:        `WITH c AS (` + plainAcquireReturning(n, applyKind(n, "$1::int4"), `r.attempts, r.deadline AS lease_until, r.deadline AS expires_at`) + `)` + applyCheck("c"),
+		applyCurrent: `SELECT ` + rReturning + `, ` + acquirable("r", "$3::bytea") + ` FROM ` + table + ` r WHERE r.scope = $1::int4 AND r.id = $2::bytea`,
+		pApply:       partitionedClaim(n, applyKind(n, "u.scope"), scalarSource) + applyCheck("ins"),
+		current:      `SELECT ` + returning + ` FROM ` + n.records + ` WHERE scope = $1::int4 AND id = $2::bytea`,
+		claimBatch:   plainBatch(n, leaseKind("$5")),
+		claimNew:     newBatch(n, leaseKind("$5")),
+		pClaim:       partitionedUpsert(n, leaseKind("$5"), scalarSource),
+		pInbox:       partitionedUpsert(n, inboxKind(n, "u.scope", "$5"), scalarSource),
+		pClaimBatch:  partitionedUpsert(n, leaseKind("$5"), arraySource),
+		lock:         `SELECT pg_advisory_xact_lock($1::int8)`,
 		// The keys come sorted and distinct, so that two batches lock
 		// their common keys in the same order and cannot deadlock.
 		lockMany: `SELECT count(pg_advisory_xact_lock(k)) FROM unnest($1::int8[]) WITH ORDINALITY AS t(k, o)`,
