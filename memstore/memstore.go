@@ -18,6 +18,7 @@ package memstore
 
 import (
 	"context"
+	"encoding/binary"
 	"hash/maphash"
 	"math/rand/v2"
 	"sync"
@@ -43,6 +44,9 @@ type Store struct {
 	evicted  atomic.Int64
 	maxBytes int64        // 0: no byte bound
 	bytes    atomic.Int64 // the records' sizes, kept only when maxBytes > 0
+	// scope is the first scope a Claim validated: strings do not change,
+	// so a key in it has only its ID left to check.
+	scope atomic.Pointer[string]
 }
 
 // A shard is an open-addressing table (linear probing, backward-shift
@@ -566,9 +570,27 @@ func (s *Store) begin(ctx context.Context, op string) error {
 	return nil
 }
 
+// validateClaim is [dedup.ValidateClaim], without checking again the
+// scope that was checked first.
+func (s *Store) validateClaim(key dedup.Key, fp dedup.Fingerprint, lease time.Duration) error {
+	if known := s.scope.Load(); known != nil && *known == key.Scope {
+		// The ID is checked as dedup checks it, beside a scope that is
+		// valid: the same answer, the same error for a bad ID.
+		return dedup.ValidateClaim(dedup.Key{Scope: "-", ID: key.ID}, fp, lease)
+	}
+	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
+		return err
+	}
+	if s.scope.Load() == nil {
+		scope := key.Scope
+		s.scope.CompareAndSwap(nil, &scope)
+	}
+	return nil
+}
+
 // Claim implements [dedup.Store].
 func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
-	if err := dedup.ValidateClaim(key, fp, lease); err != nil {
+	if err := s.validateClaim(key, fp, lease); err != nil {
 		return dedup.Claim{}, err
 	}
 	if err := s.begin(ctx, "claim"); err != nil {
@@ -602,7 +624,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 			case live:
 				return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt), LeaseUntil: s.time(r.until)}, nil
 			}
-			token, until := dedup.NewToken(), dedup.DeadlineNanos(now, lease)
+			token, until := newToken(), dedup.DeadlineNanos(now, lease)
 			attempt := int32(1)
 			if !completed && r.meta&kindMask != fpNone {
 				// Take-over of an expired lease with a fingerprint: keep
@@ -659,7 +681,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 	}
 	r := sh.rec(ri)
 	r.id, r.meta = key.ID, sid<<scopeShift
-	token, until := dedup.NewToken(), dedup.DeadlineNanos(now, lease)
+	token, until := newToken(), dedup.DeadlineNanos(now, lease)
 	s.addBytes(sh, RecordOverhead+int64(len(key.Scope)+len(key.ID))+r.acquire(p, token, until, 1))
 	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: 1, LeaseUntil: s.time(until)}, nil
 }
@@ -939,6 +961,18 @@ func (s *Store) Close() error {
 	}
 	s.bytes.Store(0)
 	return nil
+}
+
+// newToken is [dedup.NewToken] with the bytes stored eight at a time.
+func newToken() (t dedup.Token) {
+	for {
+		a, b := rand.Uint64(), rand.Uint64()
+		if a|b != 0 {
+			binary.LittleEndian.PutUint64(t[:8], a)
+			binary.LittleEndian.PutUint64(t[8:], b)
+			return t
+		}
+	}
 }
 
 func clone(b []byte) []byte {

@@ -261,3 +261,47 @@ func TestScopes(t *testing.T) {
 		t.Fatalf("second/a after its expiry: %v", c.Outcome)
 	}
 }
+
+// TestValidatedScopeStillChecksIDs: once a scope has been validated, a
+// key in it still has its ID checked (the same argument error as
+// before), and a bad scope is never taken for the validated one.
+func TestValidatedScopeStillChecksIDs(t *testing.T) {
+	ctx := context.Background()
+	s, err := memstore.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	bad := []dedup.Key{
+		{Scope: "s", ID: ""},
+		{Scope: "s", ID: "a\x00b"},
+		{Scope: "s", ID: "\xff"},
+		{Scope: "s", ID: strings.Repeat("x", dedup.MaxIDBytes+1)},
+		{Scope: "s\x01", ID: "a"},
+		{Scope: "", ID: "a"},
+	}
+	errs := func() []string {
+		var out []string
+		for _, k := range bad {
+			_, err := s.Claim(ctx, k, "", time.Minute)
+			if !errors.Is(err, dedup.ErrInvalidArgument) {
+				t.Fatalf("claim of %q: %v, want an invalid argument", k, err)
+			}
+			out = append(out, err.Error())
+		}
+		return out
+	}
+	before := errs()
+	if c, err := s.Claim(ctx, dedup.Key{Scope: "s", ID: "ok"}, "", time.Minute); err != nil || c.Outcome != dedup.Acquired {
+		t.Fatalf("valid claim: %v %v", c.Outcome, err)
+	}
+	after := errs()
+	for i := range before {
+		if before[i] != after[i] {
+			t.Errorf("%q: %q before the scope was validated, %q after", bad[i], before[i], after[i])
+		}
+	}
+	if _, err := s.Claim(ctx, dedup.Key{Scope: "s", ID: "ok2"}, "", 0); !errors.Is(err, dedup.ErrInvalidArgument) {
+		t.Errorf("zero lease in the validated scope: %v", err)
+	}
+}
