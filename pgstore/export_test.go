@@ -45,3 +45,6 @@ func GuessWait(s *Store) (wait, run int) {
 	defer s.guess.mu.Unlock()
 	return s.guess.wait, s.guess.run
 }
+
+// CompleteBatchSQL is the statement s's CompleteBatch sends.
+func CompleteBatchSQL(s *Store) string { return s.sql.completeBatch }
