@@ -145,7 +145,11 @@ func benchConsume(b *testing.B, prefetch, conc int) {
 // before its clock starts, after one uncounted warm-up pass of every case
 // on up to 2,000 messages. It reports each case's median rate and the
 // medians of memstore / bare and redis / redis-floor2 taken within each
-// round; -v logs every round. DEDUP_BENCH_CASES (comma-separated names)
+// round, twice: over the whole consume (the adapter's includes Run's
+// dial, channels, queue declarations and QoS, the bare consumer's only
+// its Consume call: a fixed cost counted against the adapter alone) and,
+// with the suffix -steady, from the first delivery in hand to the last
+// ack, which leaves that start-up out of both; -v logs every round. DEDUP_BENCH_CASES (comma-separated names)
 // runs only those cases; DEDUP_REDIS_ADDR points the Redis cases at a
 // private server.
 //
@@ -167,36 +171,40 @@ func BenchmarkConsumeRotated(b *testing.B) {
 func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 	url := testenv.AMQPURL(b)
 	addrs := testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
-	// run fills a queue, consumes it with consume and returns msgs/s.
-	run := func(consume func(q string) time.Duration) float64 {
+	// run fills a queue, consumes it with consume and returns msgs/s
+	// over the whole consume (Run's connect and declarations included
+	// for the adapter) and from the first delivery in hand to the last
+	// ack (see consumeSpan).
+	run := func(consume func(q string) consumeSpan) [2]float64 {
 		q, drop := fillQueue(b, url, n)
 		defer drop()
-		return float64(n) / consume(q).Seconds()
+		sp := consume(q)
+		return [2]float64{float64(n) / sp.total.Seconds(), float64(n) / sp.steady.Seconds()}
 	}
 	type benchCase struct {
 		name string
-		run  func() float64
+		run  func() [2]float64
 	}
 	cases := []benchCase{
-		{"bare", func() float64 {
-			return run(func(q string) time.Duration { return bareConsumeN(b, url, q, n, false, prefetch, conc, nil) })
+		{"bare", func() [2]float64 {
+			return run(func(q string) consumeSpan { return bareConsumeN(b, url, q, n, false, prefetch, conc, nil) })
 		}},
-		{"memstore", func() float64 {
+		{"memstore", func() [2]float64 {
 			s, err := memstore.New()
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			return run(func(q string) time.Duration { return adapterConsumeN(b, url, q, n, false, s, prefetch, conc) })
+			return run(func(q string) consumeSpan { return adapterConsumeN(b, url, q, n, false, s, prefetch, conc) })
 		}},
-		{"redis-floor2", func() float64 {
+		{"redis-floor2", func() [2]float64 {
 			rc, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: addrs})
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer rc.Close()
 			prefix := unique("bench") + ":"
-			return run(func(q string) time.Duration {
+			return run(func(q string) consumeSpan {
 				return bareConsumeN(b, url, q, n, false, prefetch, conc, func(ctx context.Context, d *amqp.Delivery) {
 					key := prefix + d.MessageId
 					_ = rc.Do(ctx, rc.B().Set().Key(key).Value("1").Nx().Px(time.Minute).Build()).Error()
@@ -204,13 +212,13 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 				})
 			})
 		}},
-		{"redis", func() float64 {
+		{"redis", func() [2]float64 {
 			s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(unique("bench")+":"))
 			if err != nil {
 				b.Fatal(err)
 			}
 			defer s.Close()
-			return run(func(q string) time.Duration { return adapterConsumeN(b, url, q, n, false, s, prefetch, conc) })
+			return run(func(q string) consumeSpan { return adapterConsumeN(b, url, q, n, false, s, prefetch, conc) })
 		}},
 	}
 	if only := os.Getenv("DEDUP_BENCH_CASES"); only != "" {
@@ -225,26 +233,29 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 		c.run()
 	}
 	n = full
-	rates := map[string][]float64{}
-	ratios := map[string][]float64{}
+	// Per case, [0] over the whole consume, [1] from the first delivery.
+	rates := [2]map[string][]float64{{}, {}}
+	ratios := [2]map[string][]float64{{}, {}}
 	for round := 0; b.Loop(); round++ {
 		b.StopTimer()
-		got := map[string]float64{}
+		got := map[string][2]float64{}
 		for i := range cases {
 			c := cases[(i+round)%len(cases)]
 			got[c.name] = c.run()
-			rates[c.name] = append(rates[c.name], got[c.name])
 		}
-		line := fmt.Sprintf("round %d:", round+1)
-		for _, c := range cases {
-			line += fmt.Sprintf(" %s %.0f", c.name, got[c.name])
-			if base, ok := baseline[c.name]; ok && got[base] > 0 {
-				r := got[c.name] / got[base]
-				ratios[c.name] = append(ratios[c.name], r)
-				line += fmt.Sprintf(" (%.2fx %s)", r, base)
+		for w, what := range []string{"whole", "from first delivery"} {
+			line := fmt.Sprintf("round %d (%s):", round+1, what)
+			for _, c := range cases {
+				rates[w][c.name] = append(rates[w][c.name], got[c.name][w])
+				line += fmt.Sprintf(" %s %.0f", c.name, got[c.name][w])
+				if base, ok := baseline[c.name]; ok && got[base][w] > 0 {
+					r := got[c.name][w] / got[base][w]
+					ratios[w][c.name] = append(ratios[w][c.name], r)
+					line += fmt.Sprintf(" (%.2fx %s)", r, base)
+				}
 			}
+			b.Log(line)
 		}
-		b.Log(line)
 		b.StartTimer()
 	}
 	median := func(xs []float64) float64 {
@@ -255,12 +266,14 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 		}
 		return xs[len(xs)/2]
 	}
-	for _, c := range cases {
-		b.ReportMetric(median(rates[c.name]), c.name+"-msgs/s")
-		if r := ratios[c.name]; len(r) > 0 {
-			b.ReportMetric(median(r), c.name+"-x")
-			b.ReportMetric(slices.Min(r), c.name+"-x-min")
-			b.ReportMetric(slices.Max(r), c.name+"-x-max")
+	for w, suffix := range []string{"", "-steady"} {
+		for _, c := range cases {
+			b.ReportMetric(median(rates[w][c.name]), c.name+suffix+"-msgs/s")
+			if r := ratios[w][c.name]; len(r) > 0 {
+				b.ReportMetric(median(r), c.name+suffix+"-x")
+				b.ReportMetric(slices.Min(r), c.name+suffix+"-x-min")
+				b.ReportMetric(slices.Max(r), c.name+suffix+"-x-max")
+			}
 		}
 	}
 }
@@ -332,12 +345,19 @@ func fillQueue(b *testing.B, url string, n int) (q string, drop func()) {
 // running work (if any) before each ack, and returns the time taken.
 func bareConsume(b *testing.B, url, q string, prefetch, conc int, work func(context.Context, *amqp.Delivery)) time.Duration {
 	b.Helper()
-	return bareConsumeN(b, url, q, b.N, true, prefetch, conc, work)
+	return bareConsumeN(b, url, q, b.N, true, prefetch, conc, work).total
 }
+
+// consumeSpan is how long a consume took: total from its start (for the
+// adapter, Run's dial, channels, declarations and QoS included; for the
+// bare consumer, which dials before, from the Consume call) to the last
+// ack, steady from the first delivery in hand (received by a bare worker;
+// in the adapter's handler, so after its first claim) to the last ack.
+type consumeSpan struct{ total, steady time.Duration }
 
 // bareConsumeN consumes n messages of q as bareConsume does; timed resets
 // and stops b's timer around the consuming.
-func bareConsumeN(b *testing.B, url, q string, n int, timed bool, prefetch, conc int, work func(context.Context, *amqp.Delivery)) time.Duration {
+func bareConsumeN(b *testing.B, url, q string, n int, timed bool, prefetch, conc int, work func(context.Context, *amqp.Delivery)) consumeSpan {
 	b.Helper()
 	conn, err := amqp.Dial(url)
 	if err != nil {
@@ -361,12 +381,14 @@ func bareConsumeN(b *testing.B, url, q string, n int, timed bool, prefetch, conc
 	}
 	var done atomic.Int64
 	all := make(chan struct{})
-	var once sync.Once
+	var once, firstOnce sync.Once
+	var first time.Time
 	var wg sync.WaitGroup
 	ctx := context.Background()
 	for range conc {
 		wg.Go(func() {
 			for d := range msgs {
+				firstOnce.Do(func() { first = time.Now() })
 				if work != nil {
 					work(ctx, &d)
 				}
@@ -377,30 +399,34 @@ func bareConsumeN(b *testing.B, url, q string, n int, timed bool, prefetch, conc
 		})
 	}
 	<-all
-	elapsed := time.Since(start)
+	end := time.Now()
 	if timed {
 		b.StopTimer()
 	}
 	ch.Close()
 	wg.Wait()
-	return elapsed
+	return consumeSpan{end.Sub(start), end.Sub(first)}
 }
 
 // adapterConsume consumes b.N messages through a Consumer with a
 // processor on s and returns the time taken.
 func adapterConsume(b *testing.B, url string, s dedup.Store, prefetch, conc int, opts ...ConsumerOption) time.Duration {
 	b.Helper()
-	return adapterConsumeN(b, url, benchQueue(b, url), b.N, true, s, prefetch, conc, opts...)
+	return adapterConsumeN(b, url, benchQueue(b, url), b.N, true, s, prefetch, conc, opts...).total
 }
 
 // adapterConsumeN consumes the n messages of q as adapterConsume does;
 // timed resets and stops b's timer around the consuming.
-func adapterConsumeN(b *testing.B, url, q string, n int, timed bool, s dedup.Store, prefetch, conc int, opts ...ConsumerOption) time.Duration {
+func adapterConsumeN(b *testing.B, url, q string, n int, timed bool, s dedup.Store, prefetch, conc int, opts ...ConsumerOption) consumeSpan {
 	b.Helper()
 	var done atomic.Int64
 	all := make(chan struct{})
-	var once sync.Once
-	p, err := consumer.New("bench", s, func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) { return nil, nil },
+	var once, firstOnce sync.Once
+	var first time.Time
+	p, err := consumer.New("bench", s, func(context.Context, *consumer.Message, consumer.Delivery) ([]byte, error) {
+		firstOnce.Do(func() { first = time.Now() })
+		return nil, nil
+	},
 		consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(10*time.Minute),
 		consumer.WithObserver(func(_ *consumer.Message, d consumer.Decision) {
 			if d.Action == consumer.Ack && done.Add(1) == int64(n) {
@@ -421,7 +447,7 @@ func adapterConsumeN(b *testing.B, url, q string, n int, timed bool, s dedup.Sto
 	errc := make(chan error, 1)
 	go func() { errc <- c.Run(context.Background()) }()
 	<-all
-	elapsed := time.Since(start)
+	end := time.Now()
 	if timed {
 		b.StopTimer()
 	}
@@ -432,7 +458,7 @@ func adapterConsumeN(b *testing.B, url, q string, n int, timed bool, s dedup.Sto
 	if st := c.Stats(); st.Acked < uint64(n) {
 		b.Fatalf("acked %d of %d", st.Acked, n)
 	}
-	return elapsed
+	return consumeSpan{end.Sub(start), end.Sub(first)}
 }
 
 // BenchmarkPublish measures confirmed publishes per second, one at a
