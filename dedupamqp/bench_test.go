@@ -46,7 +46,8 @@ var quiet = slog.New(slog.DiscardHandler)
 //
 // x_bare is a case's rate over bare's in the same run, x_floor2 (redis)
 // over redis-floor2's. Cases run in the order listed, each in the same
-// process; use -count to rotate them.
+// process; BenchmarkConsumeRotated runs the headline cases in rotated
+// rounds and reports the medians of the per-round ratios.
 //
 //	go test -run '^$' -bench BenchmarkConsume -benchtime 20000x -count 3 ./dedupamqp/
 func BenchmarkConsume(b *testing.B) {

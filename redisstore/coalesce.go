@@ -37,7 +37,10 @@ import (
 // still complete its record), as a timed-out single call would, and one
 // that gives up before gets a not-applied error and its item is dropped.
 // Close fails the batch still filling with ErrClosed (nothing of it is
-// sent), ends the flushes in flight and waits for them.
+// sent), ends the flushes in flight and waits for them. A batch that holds
+// only the item of the caller taking it is the exception: on a pipelining
+// client it is sent on that caller's goroutine, under its context (see
+// flushLone), since nobody else waits for it.
 
 const (
 	maxFlushes   = 2
