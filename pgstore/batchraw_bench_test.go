@@ -29,10 +29,10 @@ import (
 //   - raw-insert: the same INSERT with no ON CONFLICT clause (it fails
 //     on any stored key), the statement ClaimBatch tries first.
 //   - claim-fallback: ClaimBatch, on a second store, of a batch whose
-//     last key (in key order) is stored already, right after a batch of
-//     new keys: the worst case of ClaimBatch's fast path, which inserts
-//     every other key, fails on that one, and claims the batch again
-//     with the full statement.
+//     last key (in key order) is stored already, with the store set to
+//     guess that the batch is all new (pgstore.ResetGuess): the worst
+//     case of a wrong guess, which inserts every other key, fails on
+//     that one, and claims the batch again with the full statement.
 //   - raw-complete: UPDATE ... FROM unnest(...) fenced by the token,
 //     completing what raw-claim inserted (no ordered locking).
 //   - complete: Store.CompleteBatch of what ClaimBatch acquired.
@@ -117,8 +117,7 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 					idv3[i], idv4[i] = pgstore.EncodeID(g.next()), pgstore.EncodeID(g.next())
 				}
 				// The fallback's batch: new keys and, last in key order, a
-				// key claimed outside the timer, after a batch of new keys
-				// (which leaves the store trying the fast path first).
+				// key claimed outside the timer; the store then set to guess.
 				fresh, mixed := make([]dedup.ClaimRequest, size), make([]dedup.ClaimRequest, size)
 				for i := range size {
 					id := g.next()
@@ -134,6 +133,7 @@ WHERE r.scope = u.scope AND r.id = u.id AND r.token = u.token AND r.state = 1 AN
 				if _, err := s2.ClaimBatch(ctx, fresh, 30*time.Second); err != nil {
 					b.Fatal(err)
 				}
+				pgstore.ResetGuess(s2)
 				claimCases := []func(){
 					func() {
 						timed(6, func() error {

@@ -48,3 +48,11 @@ func GuessWait(s *Store) (wait, run int) {
 
 // CompleteBatchSQL is the statement s's CompleteBatch sends.
 func CompleteBatchSQL(s *Store) string { return s.sql.completeBatch }
+
+// ResetGuess makes s's next plain ClaimBatch guess that its batch is all
+// new, as a fresh store does: the benchmark of a wrong guess uses it.
+func ResetGuess(s *Store) {
+	s.guess.mu.Lock()
+	defer s.guess.mu.Unlock()
+	s.guess.wait, s.guess.run = 0, 0
+}
