@@ -690,12 +690,17 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 // (from a random place in its records), deletes the expired completed
 // ones, and if there were none evicts the sampled completed record that
 // expires soonest.
+//
+// A shard over the byte bound may hold few records far apart among its
+// freed ones: past 1,024 records scanned the scan stops only once it has
+// something to free (or evict), so that a shard holding such records does
+// not refuse the key for having looked at free records only.
 func (s *Store) makeRoom(sh *shard, now int64) error {
 	const sample, scan = 32, 1024
 	victim, victimUntil, freed := uint32(0), int64(-1), 0
 	if top := sh.top; top > 0 {
 		i, seen := rand.Uint32N(top), 0
-		for range min(top, scan) {
+		for scanned := uint32(1); scanned <= top; scanned++ {
 			if r := sh.rec(i); r.id != "" {
 				if r.completed() {
 					if r.until <= now {
@@ -711,6 +716,9 @@ func (s *Store) makeRoom(sh *shard, now int64) error {
 			}
 			if i++; i == top {
 				i = 0
+			}
+			if scanned >= scan && (freed > 0 || victimUntil >= 0 && !s.strict) {
+				break
 			}
 		}
 	}
@@ -833,6 +841,15 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := s.begin(ctx, "release"); err != nil {
 		return err
 	}
+	if s.release(c) {
+		return nil
+	}
+	return dedup.ErrLeaseLost
+}
+
+// release drops the record of c if c's token holds it in progress, and
+// reports whether it did.
+func (s *Store) release(c dedup.Claim) bool {
 	h, sh := s.hash(c.Key.ID)
 	sh.mu.Lock()
 	pos, ri, ok := sh.lookup(c.Key, h)
@@ -840,11 +857,11 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 		if r := sh.rec(ri); r.token == c.Token && !r.completed() {
 			s.drop(sh, pos, ri)
 			sh.mu.Unlock()
-			return nil
+			return true
 		}
 	}
 	sh.mu.Unlock()
-	return dedup.ErrLeaseLost
+	return false
 }
 
 // Extend implements [dedup.Extender].
@@ -876,7 +893,9 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 
 // ClaimBatch implements [dedup.BatchClaimer]. Each key is claimed
 // atomically; the batch as a whole is not one atomic step (neither is it
-// in any networked store), which the contract allows.
+// in any networked store), which the contract allows. A batch refused part
+// way (ErrFull) releases the keys it had acquired, as [dedup.ClaimBatch]'s
+// fallback does.
 func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
 	if err := dedup.ValidateBatch(reqs, lease); err != nil {
 		return nil, err
@@ -894,6 +913,14 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		c, err := s.claimLocked(sh, req.Key, h, &p, lease, now)
 		sh.mu.Unlock()
 		if err != nil {
+			// The caller gets no claims to complete or release: the keys
+			// acquired so far would stay in progress, owned by nobody,
+			// until their leases end.
+			for _, c := range out[:i] {
+				if c.Outcome == dedup.Acquired {
+					s.release(c)
+				}
+			}
 			return nil, err
 		}
 		out[i] = c

@@ -154,12 +154,18 @@ func TestTableAgainstModel(t *testing.T) {
 		name            string
 		shards, cap, n  int
 		strict, maxByte bool
+		scopes          int // 0: four scopes
 	}{
 		{name: "unbounded", shards: 2, cap: 1 << 20, n: 8_000},
 		{name: "one-shard", shards: 1, cap: 1 << 20, n: 8_000},
 		{name: "evicting", shards: 2, cap: 48, n: 8_000},
 		{name: "strict", shards: 1, cap: 40, n: 8_000, strict: true},
 		{name: "max-bytes", shards: 4, cap: 1 << 20, n: 8_000, maxByte: true},
+		// Many scopes in one small shard: scope numbers freed and reused
+		// all the time, under capacity and byte pressure.
+		{name: "many-scopes", shards: 1, cap: 1 << 20, n: 3_000, scopes: 40},
+		{name: "many-scopes-evicting", shards: 1, cap: 24, n: 4_000, scopes: 40},
+		{name: "many-scopes-strict-bytes", shards: 1, cap: 1 << 20, n: 4_000, scopes: 40, strict: true, maxByte: true},
 	} {
 		for seed := range uint64(3) {
 			t.Run(tc.name+"/"+strconv.FormatUint(seed, 10), func(t *testing.T) {
@@ -177,15 +183,21 @@ func TestTableAgainstModel(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer s.Close()
-				runModel(t, s, clock, rand.New(rand.NewPCG(seed, 7)), tc.n, tc.cap < 1<<20 || tc.maxByte)
+				scopes := []string{"a", "b", "c", "scope/with/a/longer/name"}
+				if tc.scopes > 0 {
+					scopes = nil
+					for i := range tc.scopes {
+						scopes = append(scopes, "scope-"+strconv.Itoa(i))
+					}
+				}
+				runModel(t, s, clock, rand.New(rand.NewPCG(seed, 7)), scopes, tc.n, tc.cap < 1<<20 || tc.maxByte)
 			})
 		}
 	}
 }
 
-func runModel(t *testing.T, s *Store, clock *storetest.Clock, rnd *rand.Rand, steps int, forgets bool) {
+func runModel(t *testing.T, s *Store, clock *storetest.Clock, rnd *rand.Rand, scopes []string, steps int, forgets bool) {
 	ctx := context.Background()
-	scopes := []string{"a", "b", "c", "scope/with/a/longer/name"}
 	fps := []dedup.Fingerprint{"", dedup.FingerprintOf([]byte("x")), dedup.FingerprintOf([]byte("y")), "custom", "other"}
 	model := map[dedup.Key]*modelRecord{}
 	var claims []dedup.Claim
