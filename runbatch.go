@@ -35,7 +35,11 @@ func (e *PanicError) Error() string { return fmt.Sprintf("dedup: handler panicke
 //     classifier says.
 //   - Then the successes and the failures to record are completed in one
 //     call ([CompleteBatch]: one round trip on a [BatchCompleter]), on a
-//     context detached from ctx when ctx is done by then, as in Do.
+//     context detached from ctx and bounded by the finalize timeout
+//     ([WithFinalizeTimeout]): the handlers' effects happened, and a ctx
+//     that ends during the round trip (a shutdown, while a
+//     consumer.Pipeline completes the batch on a goroutine of its own)
+//     must not cut their record short.
 //
 // A key repeated in reqs is acquired by its first request only; the later
 // ones get an [*InProgressError], as from ClaimBatch, and do not run. Do
@@ -326,13 +330,17 @@ func (pb *PendingBatch) runHandlers(ext Extender) {
 }
 
 // completeAll completes the successes (and the failures to record) in one
-// call, on a context detached from the batch's when it is done by then.
+// call, on a context detached from the batch's and bounded by the finalize
+// timeout: the batch's context may end during the round trip (a shutdown
+// while a pipeline completes the batch on its own goroutine), and cut
+// short, the completion would leave every record in progress, to be taken
+// over and applied again after its lease.
 func (pb *PendingBatch) completeAll() {
 	if len(pb.pending) == 0 {
 		return
 	}
 	b, r := pb.b, pb.b.r
-	fctx, cancel := r.finalContext(b.ctx)
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(b.ctx), r.cfg.finalizeTimeout)
 	defer cancel()
 	for k, err := range r.completeBatch(fctx, pb.pending) {
 		var herr error

@@ -383,3 +383,46 @@ func TestClaimBatchFallbackReleasesOnError(t *testing.T) {
 		}
 	}
 }
+
+// cancelDuring is a memstore whose CompleteBatch calls cancel and then
+// honours its context, as a store on the network does when the context
+// ends during the round trip.
+type cancelDuring struct {
+	*memstore.Store
+	cancel context.CancelFunc
+}
+
+func (s cancelDuring) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
+	s.cancel()
+	if err := ctx.Err(); err != nil {
+		return nil, &dedup.StoreError{Store: "cancel-during", Op: "complete batch", Err: err}
+	}
+	return s.Store.CompleteBatch(ctx, items, ret)
+}
+
+// TestFinishCompletesThoughCancelledDuring: a batch whose handlers
+// succeeded is completed even when its context ends while the completion
+// is in flight (a shutdown while a pipeline completes the batch on its
+// own goroutine, which the next batch's work or a Close cancels): the
+// completion is the durable step after the effects, and cut short it left
+// every record in progress, to be taken over and applied again after the
+// lease. Fails before the fix (context canceled; the keys in progress).
+func TestFinishCompletesThoughCancelledDuring(t *testing.T) {
+	s, _ := newMem(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	r := newRunner(t, cancelDuring{s, cancel})
+	reqs := []dedup.ClaimRequest{{Key: k("a")}, {Key: k("b")}}
+	pb := r.StartBatch(ctx, reqs, func(ctx context.Context, i int, c dedup.Claim) ([]byte, error) {
+		return []byte{'a' + byte(i)}, nil
+	})
+	_, errs := pb.Finish()
+	for i, id := range []string{"a", "b"} {
+		if errs[i] != nil {
+			t.Errorf("%s: %v, want completed", id, errs[i])
+		}
+		if c, _ := s.Claim(context.Background(), k(id), "", time.Second); c.Outcome != dedup.Duplicate {
+			t.Errorf("%s after the cancel is %v, want completed", id, c.Outcome)
+		}
+	}
+}

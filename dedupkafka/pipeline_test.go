@@ -210,3 +210,59 @@ func TestBatchPipelineHeldCompletionFailureStopsLaterBatches(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchPipelineCloseWaitsForCompletionInFlight: Close while a batch's
+// completion is held (and the next batch of the partition was claimed and
+// run under it) waits for it; nothing is committed before it returned; a
+// new consumer of the group then finds every record applied once and
+// commits to the end: nothing lost, nothing applied twice. It failed when
+// the batch completion ran on the batch's context, which Close cancels:
+// cut short, it left m0..m99 in progress, nothing was committed, and the
+// new consumer took them over after the lease and applied them again.
+func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 250
+	produce(t, seeds, "orders", n, 7, nil)
+	eff := newEffects()
+	store := newHeldStore(t)
+	p, err := consumer.New("kafka-pipe-close", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.apply(m)
+		return nil, nil
+	}, consumer.WithLogger(quiet), consumer.WithBackoff(time.Millisecond, 20*time.Millisecond),
+		consumer.WithLease(5*time.Second), consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
+	stop := run(t, c)
+
+	<-store.entered
+	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
+	closed := make(chan error, 1)
+	go func() { closed <- stop() }()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while a batch's completion was in flight")
+	case <-time.After(300 * time.Millisecond):
+	}
+	if got := committed(t, seeds, "g", "orders"); len(got) != 0 {
+		t.Fatalf("committed %v while the first completion is held", got)
+	}
+	close(store.release)
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("Close did not return after the completion")
+	}
+	if got := committed(t, seeds, "g", "orders"); got[0] < 100 {
+		t.Errorf("committed %v after Close: want at least the held batch's 100 records", got)
+	}
+
+	c2 := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
+	run(t, c2)
+	allCommitted(t, seeds, "g", "orders")
+	eff.check(t, n)
+}

@@ -112,3 +112,60 @@ func TestBatchPipelineAcksAfterCompletion(t *testing.T) {
 		t.Errorf("broker delivered %d times, want %d (one redelivery)", info.Delivered.Consumer, len(want)+1)
 	}
 }
+
+// TestBatchPipelineCloseWaitsForCompletionInFlight: Close during a batch's
+// completion (held in the store) waits for it: nothing of the batch is
+// settled while it is held, Close returns only after it returned, the
+// batch is acknowledged then (its records completed), and a new consumer
+// on the same durable applies every other message once: nothing lost,
+// nothing applied twice.
+func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
+	t.Parallel()
+	r := newRig(t)
+	store := newHeldStore(t)
+	var eff effects
+	p, err := consumer.New("npipe-close", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.add(m.ID)
+		return nil, nil
+	}, consumer.WithDeadLetter(r.dlq), consumer.WithBackoff(20*time.Millisecond, 300*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ids("q", 40)
+	for _, id := range want {
+		r.publish(id)
+	}
+	durable := uniqueName(t, "C")
+	c := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
+	errc := r.start(c)
+
+	items := <-store.entered
+	closed := make(chan struct{})
+	go func() { c.Close(); close(closed) }()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while a batch's completion was in flight")
+	case <-time.After(300 * time.Millisecond):
+	}
+	if s := c.Stats(); s.Acked != 0 {
+		t.Fatalf("stats %+v while the first completion is held: want nothing acknowledged", s)
+	}
+	close(store.release)
+	select {
+	case <-closed:
+	case <-time.After(waitLong):
+		t.Fatal("Close did not return after the completion")
+	}
+	if err := waitRun(t, errc); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if s := c.Stats(); s.Acked < uint64(len(items)) {
+		t.Errorf("stats %+v after Close: want at least the %d messages of the held batch acknowledged", s, len(items))
+	}
+
+	c2 := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
+	r.start(c2)
+	eventually(t, "every message applied", func() bool { return eff.all(want) })
+	r.settled(durable)
+	eff.exactlyOnce(t, want)
+}
