@@ -353,3 +353,19 @@ func TestConcurrentFewKeys(t *testing.T) {
 	}
 	checkTable(t, s)
 }
+
+// TestScopeNumbersFitTheRecord: a shard of maxPerShard records, the
+// first scope's records all gone and every other record in a scope of its
+// own, numbers its scopes up to maxPerShard; the largest must survive the
+// record's meta, or its record would read as the first scope's (a key of
+// one scope found under another, an ID of the other scope never found).
+func TestScopeNumbersFitTheRecord(t *testing.T) {
+	sid := uint32(maxPerShard)
+	r := record{meta: sid<<scopeShift | completedBit | fpDigest}
+	if got := r.meta >> scopeShift; got != sid {
+		t.Fatalf("scope number %d reads back as %d", sid, got)
+	}
+	if _, err := New(WithShards(1), WithCapacity(maxPerShard+1)); !errors.Is(err, dedup.ErrInvalidArgument) {
+		t.Fatalf("a shard of %d records: %v, want ErrInvalidArgument", maxPerShard+1, err)
+	}
+}

@@ -88,9 +88,10 @@ const (
 	chunkBits = 8
 	chunkLen  = 1 << chunkBits
 	chunkMask = chunkLen - 1
-	// maxPerShard bounds a shard's records: scope numbers take 28 bits of
+	// maxPerShard bounds a shard's records: scope numbers (from 1, one
+	// per record at most, the first scope's records aside) take 28 bits of
 	// a record's meta, record indexes 32 bits of a slot.
-	maxPerShard = 1 << 28
+	maxPerShard = 1<<28 - 1
 )
 
 // reset empties sh (its lock aside).
@@ -463,7 +464,7 @@ func (f option) apply(c *config) { f(c) }
 func WithClock(c dedup.Clock) Option { return option(func(cfg *config) { cfg.clock = c }) }
 
 // WithCapacity bounds the number of records. Default 1,000,000. A shard
-// holds at most 2^28 records.
+// holds fewer than 2^28 records.
 func WithCapacity(n int) Option { return option(func(cfg *config) { cfg.capacity = n }) }
 
 // WithShards sets the number of shards, rounded up to a power of two.
@@ -505,7 +506,7 @@ func (c *config) validate() error {
 	case c.capacity < c.shards:
 		return &dedup.ArgumentError{Arg: "memstore capacity", Reason: "must be at least the number of shards"}
 	case c.capacity/c.shards > maxPerShard:
-		return &dedup.ArgumentError{Arg: "memstore capacity", Reason: "must be at most 2^28 records a shard (use more shards)"}
+		return &dedup.ArgumentError{Arg: "memstore capacity", Reason: "must be under 2^28 records a shard (use more shards)"}
 	case c.maxBytes < 0:
 		return &dedup.ArgumentError{Arg: "memstore max bytes", Reason: "must not be negative"}
 	}
