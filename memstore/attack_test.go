@@ -369,3 +369,78 @@ func TestScopeNumbersFitTheRecord(t *testing.T) {
 		t.Fatalf("a shard of %d records: %v, want ErrInvalidArgument", maxPerShard+1, err)
 	}
 }
+
+// TestConcurrentBatchesUnderPressure: batches of one to three keys (a key
+// may repeat) from many goroutines in a store of 8 records under a byte
+// bound, evicting and strict, with short retentions and refused batches
+// rolled back: at most one holder of a key at a time, and every acquired
+// claim completes or releases.
+func TestConcurrentBatchesUnderPressure(t *testing.T) {
+	ctx := context.Background()
+	for _, strict := range []bool{false, true} {
+		opts := []Option{WithShards(2), WithCapacity(8), WithMaxBytes(3000)}
+		if strict {
+			opts = append(opts, WithStrictCapacity())
+		}
+		s, _ := New(opts...)
+		const keys = 40
+		var holders [keys]atomic.Int32
+		var wg sync.WaitGroup
+		for w := range 32 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				rnd := rand.New(rand.NewPCG(uint64(w), 2))
+				for range 2000 {
+					var reqs []dedup.ClaimRequest
+					var kis []int
+					for range 1 + rnd.IntN(3) {
+						ki := rnd.IntN(keys)
+						kis = append(kis, ki)
+						reqs = append(reqs, dedup.ClaimRequest{Key: dedup.Key{Scope: "s" + strconv.Itoa(ki%5), ID: strconv.Itoa(ki)}})
+					}
+					cs, err := s.ClaimBatch(ctx, reqs, time.Hour)
+					if errors.Is(err, dedup.ErrFull) {
+						continue
+					}
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					for i, c := range cs {
+						if c.Outcome != dedup.Acquired {
+							continue
+						}
+						if n := holders[kis[i]].Add(1); n != 1 {
+							t.Errorf("%v: %d holders", c.Key, n)
+						}
+					}
+					for i, c := range cs {
+						if c.Outcome != dedup.Acquired {
+							continue
+						}
+						holders[kis[i]].Add(-1)
+						if rnd.IntN(2) == 0 {
+							if err := s.Release(ctx, c); err != nil {
+								t.Error(err)
+							}
+						} else if err := s.Complete(ctx, c, []byte("rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr"), time.Duration(1+rnd.IntN(3))*time.Millisecond); err != nil {
+							t.Error(err)
+						}
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		checkTable(t, s)
+		for si := range s.shards {
+			sh := &s.shards[si]
+			for ri := range sh.top {
+				if r := sh.rec(ri); r.id != "" && !r.completed() {
+					t.Errorf("strict=%v: %q left in progress, owned by nobody", strict, r.id)
+				}
+			}
+		}
+		s.Close()
+	}
+}
