@@ -86,10 +86,16 @@ func (g *guessGate) try() bool {
 	return g.wait == 0
 }
 
-// wrong records a guess that found a stored key.
+// wrong records a guess that found a stored key. Guesses made at once
+// by several callers, before any of them was found wrong, are one wrong
+// guess: only the first doubles the run (wait is then set), or a burst of
+// N concurrent batches would make it 2^N.
 func (g *guessGate) wrong() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if g.wait > 0 {
+		return
+	}
 	g.run = min(max(2*g.run, 1), maxGuessRun)
 	g.wait = g.run
 }
