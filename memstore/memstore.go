@@ -24,6 +24,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/dedupkit/dedup"
 )
@@ -179,7 +180,7 @@ func (sh *shard) find(hs uint64, sid uint32, id string) (pos uint64, ri uint32, 
 		if w&^0xffffffff == tag {
 			ri := uint32(w) - 1
 			r := sh.rec(ri)
-			if r.meta>>scopeShift == sid && r.id == id {
+			if r.meta>>scopeShift == sid && r.idLen() == len(id) && r.id() == id {
 				return i, ri, true
 			}
 		}
@@ -276,19 +277,21 @@ func (sh *shard) alloc() uint32 {
 	return i
 }
 
-// A record is 88 bytes, kept in its shard's chunks (no allocation per
+// A record is 80 bytes, kept in its shard's chunks (no allocation per
 // key, no size-class rounding) and reused once dropped. A fingerprint
 // made by [dedup.FingerprintOf] (or its siblings) is kept as its 32-byte
 // SHA-256 digest, not as its 71-byte text; any other fingerprint, and a
 // result, go in a separate allocation that most records do without.
 type record struct {
-	id      string // the key's ID; "" while the record is free
-	until   int64  // lease end while in progress, expiry once completed; next free+1 while free
-	token   dedup.Token
-	attempt int32
-	meta    uint32   // scope number<<scopeShift | extraBit | completedBit | fingerprint kind
-	digest  [32]byte // the fingerprint's SHA-256 when its kind is fpDigest
-	more    *extra   // nil unless a result or an fpString fingerprint is kept
+	idp   *byte // the bytes of the key's ID (its length is in lenAtt); nil while the record is free
+	until int64 // lease end while in progress, expiry once completed; next free+1 while free
+	token dedup.Token
+	// lenAtt is the ID's length<<lenShift | the attempt count, which
+	// saturates at maxAttempt.
+	lenAtt uint32
+	meta   uint32   // scope number<<scopeShift | extraBit | completedBit | fingerprint kind
+	digest [32]byte // the fingerprint's SHA-256 when its kind is fpDigest
+	more   *extra   // nil unless a result or an fpString fingerprint is kept
 }
 
 const (
@@ -296,7 +299,29 @@ const (
 	completedBit = 4
 	extraBit     = 8 // more is set: read it only then, it is on the record's far side
 	scopeShift   = 4
+	lenShift     = 22
+	maxAttempt   = 1<<lenShift - 1
 )
+
+// An ID's length must fit the 10 bits above the attempt count.
+const _ = uint(1<<(32-lenShift) - 1 - dedup.MaxIDBytes)
+
+func (r *record) idLen() int { return int(r.lenAtt >> lenShift) }
+
+func (r *record) attempt() int32 { return int32(r.lenAtt & maxAttempt) }
+
+// setAttempt sets the attempt count, saturating at maxAttempt.
+func (r *record) setAttempt(a int32) {
+	r.lenAtt = r.lenAtt&^maxAttempt | uint32(min(a, maxAttempt))
+}
+
+// id returns the key's ID.
+func (r *record) id() string { return unsafe.String(r.idp, r.idLen()) }
+
+// setKey makes r the record of ID id in scope number sid.
+func (r *record) setKey(id string, sid uint32) {
+	r.idp, r.lenAtt, r.meta = unsafe.StringData(id), uint32(len(id))<<lenShift, sid<<scopeShift
+}
 
 func (r *record) completed() bool { return r.meta&completedBit != 0 }
 
@@ -377,8 +402,9 @@ func (r *record) matches(p *print) bool {
 // its size changed by.
 func (r *record) acquire(p *print, token dedup.Token, until int64, attempt int32) int64 {
 	before := r.extraSize()
-	r.token, r.until, r.attempt = token, until, attempt
-	r.meta = r.meta>>scopeShift<<scopeShift | p.kind
+	r.token, r.until = token, until
+	r.setAttempt(attempt)
+	r.meta = r.meta&^(completedBit|extraBit|kindMask) | p.kind
 	if p.kind == fpDigest {
 		r.digest = p.digest
 	}
@@ -429,7 +455,7 @@ func (s *Store) drop(sh *shard, pos uint64, ri uint32) {
 	sh.removeSlot(pos)
 	r := sh.rec(ri)
 	sid := r.meta >> scopeShift
-	s.addBytes(sh, -(RecordOverhead + int64(len(sh.scopeName(sid))+len(r.id)) + r.extraSize()))
+	s.addBytes(sh, -(RecordOverhead + int64(len(sh.scopeName(sid))+r.idLen()) + r.extraSize()))
 	sh.unref(sid)
 	*r = record{until: int64(sh.free)}
 	sh.free = ri + 1
@@ -441,7 +467,7 @@ func (s *Store) drop(sh *shard, pos uint64, ri uint32) {
 func (s *Store) dropRecord(sh *shard, ri uint32) {
 	r := sh.rec(ri)
 	sid := r.meta >> scopeShift
-	s.drop(sh, sh.slotOf(mix(maphash.String(s.seed, r.id), sid), ri), ri)
+	s.drop(sh, sh.slotOf(mix(maphash.String(s.seed, r.id()), sid), ri), ri)
 }
 
 type config struct {
@@ -486,7 +512,7 @@ func WithStrictCapacity() Option { return option(func(cfg *config) { cfg.strict 
 func WithMaxBytes(n int64) Option { return option(func(cfg *config) { cfg.maxBytes = n }) }
 
 // RecordOverhead is what [WithMaxBytes] counts for a record beyond its
-// key, fingerprint and result. A record takes 88 bytes, which hold a
+// key, fingerprint and result. A record takes 80 bytes, which hold a
 // fingerprint made by [dedup.FingerprintOf] inline, and its table slots
 // 11-22 bytes more (8 a slot, the table 3/8 to 3/4 full): 136 counts them
 // with room to spare. Another fingerprint, or a result, is counted by its
@@ -620,22 +646,24 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 			case (live || !completed) && !r.matches(p):
 				return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, nil
 			case completed && live:
-				return dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt),
+				return dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt()),
 					Result: clone(r.result()), ExpiresAt: s.time(r.until)}, nil
 			case live:
-				return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt), LeaseUntil: s.time(r.until)}, nil
+				return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt()), LeaseUntil: s.time(r.until)}, nil
 			}
 			token, until := newToken(), dedup.DeadlineNanos(now, lease)
 			attempt := int32(1)
+			if !completed {
+				attempt = min(r.attempt()+1, maxAttempt)
+			}
 			if !completed && r.meta&kindMask != fpNone {
 				// Take-over of an expired lease with a fingerprint: keep
 				// it (an in-progress record has no result).
-				attempt = r.attempt + 1
-				r.token, r.until, r.attempt = token, until, attempt
+				r.token, r.until = token, until
+				r.setAttempt(attempt)
 			} else {
-				if !completed { // take-over: the fingerprint is the new claim's
-					attempt = r.attempt + 1
-				}
+				// A completed record expired, or a take-over where the
+				// fingerprint is the new claim's.
 				s.addBytes(sh, r.acquire(p, token, until, attempt))
 			}
 			return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: int(attempt),
@@ -681,7 +709,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 		sh.multi.refs[sid-1]++
 	}
 	r := sh.rec(ri)
-	r.id, r.meta = key.ID, sid<<scopeShift
+	r.setKey(key.ID, sid)
 	token, until := newToken(), dedup.DeadlineNanos(now, lease)
 	s.addBytes(sh, RecordOverhead+int64(len(key.Scope)+len(key.ID))+r.acquire(p, token, until, 1))
 	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: 1, LeaseUntil: s.time(until)}, nil
@@ -702,7 +730,7 @@ func (s *Store) makeRoom(sh *shard, now int64) error {
 	if top := sh.top; top > 0 {
 		i, seen := rand.Uint32N(top), 0
 		for scanned := uint32(1); scanned <= top; scanned++ {
-			if r := sh.rec(i); r.id != "" {
+			if r := sh.rec(i); r.idp != nil {
 				if r.completed() {
 					if r.until <= now {
 						s.dropRecord(sh, i)
@@ -943,7 +971,7 @@ func (s *Store) Sweep(ctx context.Context, limit int) (int, error) {
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		for ri := uint32(0); ri < sh.top && n < limit; ri++ {
-			if r := sh.rec(ri); r.id != "" && r.completed() && r.until <= now {
+			if r := sh.rec(ri); r.idp != nil && r.completed() && r.until <= now {
 				s.dropRecord(sh, ri)
 				n++
 			}

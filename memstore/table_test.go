@@ -8,8 +8,10 @@ import (
 	"hash/maphash"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/storetest"
@@ -52,11 +54,11 @@ func (sh *shard) check(s *Store) error {
 		}
 		slotOf[ri] = uint64(pos)
 		r := sh.rec(ri)
-		if r.id == "" {
+		if r.idp == nil {
 			return fmt.Errorf("slot %d: record %d is free", pos, ri)
 		}
 		sid := r.meta >> scopeShift
-		if hs := mix(maphash.String(s.seed, r.id), sid); uint32(hs) != uint32(w>>32) {
+		if hs := mix(maphash.String(s.seed, r.id()), sid); uint32(hs) != uint32(w>>32) {
 			return fmt.Errorf("slot %d: hash %x, record's %x", pos, w>>32, uint32(hs))
 		}
 		for i := w >> 32 & mask; i != uint64(pos); i = (i + 1) & mask {
@@ -64,8 +66,8 @@ func (sh *shard) check(s *Store) error {
 				return fmt.Errorf("slot %d: empty slot %d between it and its home", pos, i)
 			}
 		}
-		if _, home := s.hash(r.id); home != sh {
-			return fmt.Errorf("record %q in the wrong shard", r.id)
+		if _, home := s.hash(r.id()); home != sh {
+			return fmt.Errorf("record %q in the wrong shard", r.id())
 		}
 	}
 	if len(slotOf) != sh.n {
@@ -76,8 +78,8 @@ func (sh *shard) check(s *Store) error {
 	}
 	free := 0
 	for f := sh.free; f != 0; f = uint32(sh.rec(f - 1).until) {
-		if sh.rec(f-1).id != "" {
-			return fmt.Errorf("free record %d has key %q", f-1, sh.rec(f-1).id)
+		if sh.rec(f-1).idp != nil {
+			return fmt.Errorf("free record %d has a key", f-1)
 		}
 		if free++; free > int(sh.top) {
 			return fmt.Errorf("free list loops")
@@ -90,15 +92,15 @@ func (sh *shard) check(s *Store) error {
 	var size int64
 	for ri := range sh.top {
 		r := sh.rec(ri)
-		if r.id == "" {
+		if r.idp == nil {
 			continue
 		}
 		if _, ok := slotOf[ri]; !ok {
-			return fmt.Errorf("record %d (%q) has no slot", ri, r.id)
+			return fmt.Errorf("record %d (%q) has no slot", ri, r.id())
 		}
 		sid := r.meta >> scopeShift
 		refs[sid]++
-		size += RecordOverhead + int64(len(sh.scopeName(sid))+len(r.id)) + r.extraSize()
+		size += RecordOverhead + int64(len(sh.scopeName(sid))+r.idLen()) + r.extraSize()
 		if (r.more != nil) != (r.meta&extraBit != 0) {
 			return fmt.Errorf("record %d: extra %v, bit %v", ri, r.more != nil, r.meta&extraBit != 0)
 		}
@@ -400,4 +402,26 @@ func TestTableGrowsAndShrinksAround(t *testing.T) {
 		t.Errorf("%d records handed out again after %d were freed", sh.top, top)
 	}
 	checkTable(t, s)
+}
+
+// TestSizes: a record is 80 bytes and a shard 128 (two cache lines of its
+// own); the attempt count saturates instead of spilling into the ID's
+// length.
+func TestSizes(t *testing.T) {
+	if n := unsafe.Sizeof(record{}); n != 80 {
+		t.Errorf("record: %d bytes, want 80", n)
+	}
+	if n := unsafe.Sizeof(shard{}); n != 128 {
+		t.Errorf("shard: %d bytes, want 128", n)
+	}
+	var r record
+	r.setKey(strings.Repeat("x", dedup.MaxIDBytes), 5)
+	r.setAttempt(maxAttempt)
+	r.setAttempt(min(r.attempt()+1, maxAttempt))
+	if r.attempt() != maxAttempt || r.idLen() != dedup.MaxIDBytes || r.meta>>scopeShift != 5 {
+		t.Errorf("attempt %d, ID length %d, scope %d", r.attempt(), r.idLen(), r.meta>>scopeShift)
+	}
+	if _, err := New(WithShards(1), WithCapacity(1<<28+1)); !errors.Is(err, dedup.ErrInvalidArgument) {
+		t.Errorf("capacity 2^28+1 in one shard: %v", err)
+	}
 }
