@@ -436,8 +436,8 @@ func TestConcurrentBatchesUnderPressure(t *testing.T) {
 		for si := range s.shards {
 			sh := &s.shards[si]
 			for ri := range sh.top {
-				if r := sh.rec(ri); r.id != "" && !r.completed() {
-					t.Errorf("strict=%v: %q left in progress, owned by nobody", strict, r.id)
+				if r := sh.rec(ri); r.idp != nil && !r.completed() {
+					t.Errorf("strict=%v: %q left in progress, owned by nobody", strict, r.id())
 				}
 			}
 		}
