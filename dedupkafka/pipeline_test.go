@@ -20,6 +20,7 @@ import (
 // release, and which counts its batch claims.
 type heldStore struct {
 	*redisstore.Store
+	once    sync.Once
 	claims  atomic.Int64
 	calls   atomic.Int64
 	entered chan []dedup.Completion // the held completion's items
@@ -45,6 +46,12 @@ func newHeldStore(t *testing.T) *heldStore {
 	})
 	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
 }
+
+// open lets the held completion go on; the tests also call it in a
+// cleanup registered after the consumer's, which runs first: a test that
+// fails while the completion is held would otherwise hang in the
+// consumer's Close, which waits for it.
+func (s *heldStore) open() { s.once.Do(func() { close(s.release) }) }
 
 func (s *heldStore) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
 	s.claims.Add(1)
@@ -98,6 +105,7 @@ func TestBatchPipelineCompletionLostHoldsPartition(t *testing.T) {
 		return false
 	}
 	stop := run(t, c)
+	t.Cleanup(store.open)
 
 	items := <-store.entered
 	if len(items) != 100 || items[0].Claim.Key.ID != "m0" {
@@ -115,7 +123,7 @@ func TestBatchPipelineCompletionLostHoldsPartition(t *testing.T) {
 	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(items[50].Claim.Key)).Build()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	close(store.release)
+	store.open()
 	allCommitted(t, seeds, "g", "orders")
 	stop()
 
@@ -180,6 +188,7 @@ func TestBatchPipelineHeldCompletionFailureStopsLaterBatches(t *testing.T) {
 	}
 	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
 	stop := run(t, c)
+	t.Cleanup(store.open)
 
 	items := <-store.entered
 	if len(items) != 100 || items[0].Claim.Key.ID != "m0" {
@@ -191,7 +200,7 @@ func TestBatchPipelineHeldCompletionFailureStopsLaterBatches(t *testing.T) {
 	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(items[50].Claim.Key)).Build()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	close(store.release)
+	store.open()
 	allCommitted(t, seeds, "g", "orders")
 	stop()
 
@@ -235,6 +244,7 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	}
 	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
 	stop := run(t, c)
+	t.Cleanup(store.open)
 
 	<-store.entered
 	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
@@ -248,7 +258,7 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	if got := committed(t, seeds, "g", "orders"); len(got) != 0 {
 		t.Fatalf("committed %v while the first completion is held", got)
 	}
-	close(store.release)
+	store.open()
 	select {
 	case err := <-closed:
 		if err != nil {

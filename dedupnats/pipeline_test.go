@@ -3,6 +3,7 @@ package dedupnats
 import (
 	"context"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,6 +19,7 @@ import (
 // release, handing its items to the test first.
 type heldStore struct {
 	*redisstore.Store
+	once    sync.Once
 	calls   atomic.Int64
 	entered chan []dedup.Completion
 	release chan struct{}
@@ -42,6 +44,12 @@ func newHeldStore(t *testing.T) *heldStore {
 	})
 	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
 }
+
+// open lets the held completion go on; the tests also call it in a
+// cleanup registered after the consumer's, which runs first: a test that
+// fails while the completion is held would otherwise hang in the
+// consumer's Close, which waits for it.
+func (s *heldStore) open() { s.once.Do(func() { close(s.release) }) }
 
 func (s *heldStore) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
 	if s.calls.Add(1) == 1 {
@@ -78,6 +86,7 @@ func TestBatchPipelineAcksAfterCompletion(t *testing.T) {
 	durable := uniqueName(t, "C")
 	c := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
 	r.start(c)
+	t.Cleanup(store.open)
 
 	items := <-store.entered
 	if s := c.Stats(); s.Acked != 0 || s.Naked != 0 || s.Terminated != 0 {
@@ -88,7 +97,7 @@ func TestBatchPipelineAcksAfterCompletion(t *testing.T) {
 	if err := rc.Do(ctxT(t), rc.B().Del().Key(store.RedisKey(lost)).Build()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	close(store.release)
+	store.open()
 
 	eventually(t, "every message applied", func() bool { return eff.all(want) && p.Stats().Applied == uint64(len(want)) && eff.get(lost.ID) == 2 })
 	info := r.settled(durable)
@@ -138,6 +147,7 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	durable := uniqueName(t, "C")
 	c := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
 	errc := r.start(c)
+	t.Cleanup(store.open)
 
 	items := <-store.entered
 	closed := make(chan struct{})
@@ -150,7 +160,7 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	if s := c.Stats(); s.Acked != 0 {
 		t.Fatalf("stats %+v while the first completion is held: want nothing acknowledged", s)
 	}
-	close(store.release)
+	store.open()
 	select {
 	case <-closed:
 	case <-time.After(waitLong):
