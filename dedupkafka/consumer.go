@@ -269,6 +269,15 @@ func (c *Consumer) loop(ctx context.Context) error {
 		settle()
 		c.cl.AllowRebalance()
 	}()
+	// Records run on a context that outlives ctx by the drain timeout: a
+	// Close while a record's completion is in flight lets it land (cut
+	// short, it would leave the record in progress, commit nothing, and
+	// the next consumer would take it over after the lease and apply it
+	// again). The loop itself stops between records as soon as ctx ends.
+	rctx, rcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer rcancel()
+	stopDrain := context.AfterFunc(ctx, func() { time.AfterFunc(c.cfg.drain, rcancel) })
+	defer stopDrain()
 	for ctx.Err() == nil {
 		pctx, cancel := context.WithCancel(ctx)
 		if d, ok := c.nextDue(); ok {
@@ -295,7 +304,7 @@ func (c *Consumer) loop(ctx context.Context) error {
 			}
 		})
 		work := c.take(fs)
-		c.round(ctx, work)
+		c.round(ctx, rctx, work)
 		if c.cfg.crash != nil && c.cfg.crash(c.finalOffsets(work)) {
 			c.crashed.Store(true)
 			return errCrashed
@@ -378,7 +387,9 @@ func (c *Consumer) take(fs kgo.Fetches) []*part {
 
 // round processes the partitions in work, at most the concurrency at once,
 // each in offset order until its backlog is empty or a record must wait.
-func (c *Consumer) round(ctx context.Context, work []*part) {
+//
+// rctx is the context records run on (see loop); ctx ends the round.
+func (c *Consumer) round(ctx, rctx context.Context, work []*part) {
 	if len(work) == 0 {
 		return
 	}
@@ -387,7 +398,7 @@ func (c *Consumer) round(ctx context.Context, work []*part) {
 	for range min(c.cfg.concurrency, len(work)) {
 		wg.Go(func() {
 			for pt := range ch {
-				c.drain(ctx, pt)
+				c.drain(ctx, rctx, pt)
 			}
 		})
 	}
@@ -400,7 +411,7 @@ func (c *Consumer) round(ctx context.Context, work []*part) {
 
 // drain runs pt's backlog in order. A Retry decision holds the partition:
 // the record and those after it stay in the backlog until the delay ends.
-func (c *Consumer) drain(ctx context.Context, pt *part) {
+func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 	if c.cfg.batch > 1 {
 		c.drainBatches(ctx, pt)
 		return
@@ -445,9 +456,9 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 			at = append(at, i)
 		}
 		if len(run) == 1 {
-			ds[at[0]] = c.p.Process(ctx, run[0])
+			ds[at[0]] = c.p.Process(rctx, run[0])
 		} else if len(run) > 1 {
-			for j, d := range c.p.ProcessBatch(ctx, run) {
+			for j, d := range c.p.ProcessBatch(rctx, run) {
 				ds[at[j]] = d
 			}
 		}
@@ -455,7 +466,7 @@ func (c *Consumer) drain(ctx context.Context, pt *part) {
 			d := ds[i]
 			if d.Action == 0 {
 				c.st.envelope.Add(1)
-				d = c.p.Quarantine(ctx, ms[i], consumer.ClassPermanent, d.Err)
+				d = c.p.Quarantine(rctx, ms[i], consumer.ClassPermanent, d.Err)
 			}
 			if d.Action == consumer.Retry {
 				pt.backlog = pt.backlog[i:]

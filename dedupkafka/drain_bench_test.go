@@ -75,7 +75,7 @@ func BenchmarkDrain(b *testing.B) {
 						work = append(work, pts[i])
 					}
 				}
-				c.round(context.Background(), work)
+				c.round(context.Background(), context.Background(), work)
 			})
 			took := time.Since(start)
 			if s := c.Stats(); s.Final != uint64(n) || s.Duplicates != 0 {

@@ -18,6 +18,7 @@ type consumerConfig struct {
 	batch       int
 	maxHold     time.Duration
 	commitWait  time.Duration
+	drain       time.Duration
 	replay      time.Duration
 	logger      *slog.Logger
 	onWarning   func(ctx context.Context, w Warning)
@@ -34,6 +35,7 @@ func defaultConsumerConfig() consumerConfig {
 		batch:       1,
 		maxHold:     30 * time.Second,
 		commitWait:  10 * time.Second,
+		drain:       10 * time.Second,
 		logger:      slog.Default(),
 	}
 }
@@ -50,6 +52,8 @@ func (c *consumerConfig) validate() error {
 		return bad("max hold", "must be at least 1ms, got "+c.maxHold.String())
 	case c.commitWait <= 0:
 		return bad("commit timeout", "must be positive, got "+c.commitWait.String())
+	case c.drain < 0:
+		return bad("drain timeout", "must not be negative, got "+c.drain.String())
 	case c.replay < 0:
 		return bad("replay horizon", "must not be negative, got "+c.replay.String())
 	case c.logger == nil:
@@ -114,6 +118,16 @@ func WithMaxHold(d time.Duration) ConsumerOption {
 // Default 10s.
 func WithCommitTimeout(d time.Duration) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.commitWait = d })
+}
+
+// WithDrainTimeout bounds how long Close (or cancelling Run's context)
+// lets the record being processed on each partition finish, its
+// completion recorded, before the context it runs on is cancelled: a
+// completion cut short would leave the record in progress, uncommitted,
+// to be taken over after its lease and applied again. No new record
+// starts once Close was called. Default 10s.
+func WithDrainTimeout(d time.Duration) ConsumerOption {
+	return consumerOption(func(c *consumerConfig) { c.drain = d })
 }
 
 // WithReplayHorizon states how far back you may replay the topics by hand

@@ -280,3 +280,70 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	allCommitted(t, seeds, "g", "orders")
 	eff.check(t, n)
 }
+
+// heldOne holds the first Complete of record m0 (one record at a time:
+// the processor completes each record alone) until release is closed.
+type heldOne struct {
+	*heldStore
+	one     sync.Once
+	entered chan struct{}
+}
+
+func (s *heldOne) Complete(ctx context.Context, c dedup.Claim, result []byte, ret time.Duration) error {
+	if c.Key.ID == "m0" && s.calls.Add(1) == 1 {
+		s.one.Do(func() { close(s.entered) })
+		<-s.release
+	}
+	return s.heldStore.Store.Complete(ctx, c, result, ret)
+}
+
+// TestCloseWaitsForRecordCompletionInFlight: one record at a time (the
+// default), Close while a record's Complete is in flight lets it land:
+// the record is final and committed, and a new consumer of the group
+// applies nothing twice. It failed when records ran on Run's context,
+// which Close cancels: the cut-short completion left m0 in progress and
+// uncommitted, and the next consumer took it over after the lease and
+// applied it again.
+func TestCloseWaitsForRecordCompletionInFlight(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 20
+	produce(t, seeds, "orders", n, 7, nil)
+	eff := newEffects()
+	store := &heldOne{heldStore: newHeldStore(t), entered: make(chan struct{})}
+	p, err := consumer.New("kafka-close-one", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.apply(m)
+		return nil, nil
+	}, consumer.WithLogger(quiet), consumer.WithBackoff(time.Millisecond, 20*time.Millisecond),
+		consumer.WithLease(2*time.Second), consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newConsumer(t, seeds, "g", "orders", p)
+	stop := run(t, c)
+	t.Cleanup(store.open)
+
+	<-store.entered
+	closed := make(chan error, 1)
+	go func() { closed <- stop() }()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while a record's completion was in flight")
+	case <-time.After(200 * time.Millisecond):
+	}
+	store.open()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("Close did not return after the completion")
+	}
+	if got := committed(t, seeds, "g", "orders"); got[0] < 1 {
+		t.Errorf("committed %v after Close: want m0 committed", got)
+	}
+	c2 := newConsumer(t, seeds, "g", "orders", p)
+	run(t, c2)
+	allCommitted(t, seeds, "g", "orders")
+	eff.check(t, n)
+}
