@@ -12,9 +12,8 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
-	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/internal/redistest"
 	"github.com/dedupkit/dedup/redisstore"
-	"github.com/redis/rueidis"
 )
 
 // faulty is a real redisstore whose completions are slow and fail at
@@ -118,21 +117,8 @@ func TestPipelineStressFaults(t *testing.T) {
 
 func redisStress(t *testing.T) *redisstore.Store {
 	t.Helper()
-	addrs := testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
 	prefix := uniquePrefix(t)
-	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c := s.Client()
-		keys, _ := c.Do(ctx, c.B().Keys().Pattern(prefix+"*").Build()).AsStrSlice()
-		if len(keys) > 0 {
-			c.Do(ctx, c.B().Del().Key(keys...).Build())
-		}
-		s.Close()
-	})
+	s := redistest.Store(t, prefix)
 	return s
 }
 

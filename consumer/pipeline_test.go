@@ -13,9 +13,8 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
-	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/internal/redistest"
 	"github.com/dedupkit/dedup/redisstore"
-	"github.com/redis/rueidis"
 )
 
 // errCrashed is what a gated store returns once the test "crashed" it.
@@ -39,20 +38,7 @@ type gated struct {
 
 func newGated(t *testing.T, prefix string) *gated {
 	t.Helper()
-	addrs := testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
-	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c := s.Client()
-		keys, _ := c.Do(ctx, c.B().Keys().Pattern(prefix+"*").Build()).AsStrSlice()
-		if len(keys) > 0 {
-			c.Do(ctx, c.B().Del().Key(keys...).Build())
-		}
-		s.Close()
-	})
+	s := redistest.Store(t, prefix)
 	return &gated{Store: s, release: make(chan struct{}), entered: make(chan struct{}, 16), completed: map[string]bool{}}
 }
 

@@ -10,9 +10,8 @@ import (
 
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
-	"github.com/dedupkit/dedup/internal/testenv"
+	"github.com/dedupkit/dedup/internal/redistest"
 	"github.com/dedupkit/dedup/redisstore"
-	"github.com/redis/rueidis"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
@@ -33,21 +32,8 @@ type heldStore struct {
 
 func newHeldStore(t *testing.T) *heldStore {
 	t.Helper()
-	addrs := testenv.Addrs(t, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis")
 	prefix := "kpipe:" + t.Name() + ":" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
-	s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(prefix))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx := context.Background()
-		c := s.Client()
-		keys, _ := c.Do(ctx, c.B().Keys().Pattern(prefix+"*").Build()).AsStrSlice()
-		if len(keys) > 0 {
-			c.Do(ctx, c.B().Del().Key(keys...).Build())
-		}
-		s.Close()
-	})
+	s := redistest.Store(t, prefix)
 	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
 }
 
