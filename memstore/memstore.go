@@ -19,6 +19,8 @@ package memstore
 import (
 	"context"
 	"encoding/binary"
+	"errors"
+	"fmt"
 	"hash/maphash"
 	"math/rand/v2"
 	"sync"
@@ -625,11 +627,58 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	}
 	p := parsePrint(fp)
 	h, sh := s.hash(key.ID)
-	now := s.now()
+	return s.claimIn(sh, key, h, &p, lease, s.now())
+}
+
+// errOverBytes is the ErrFull of a claim that the byte bound refused
+// after the key's own shard had nothing left to free.
+var errOverBytes = fmt.Errorf("%w: over the byte bound", dedup.ErrFull)
+
+// claimIn claims key in its shard sh. The byte bound is the store's while
+// room is made shard by shard: when the key's shard has nothing left to
+// free, the other shards free expired records (and, unless strict, evict
+// as a full store does), one at a time so that no two shard locks are
+// ever held together, and the claim is tried once more.
+func (s *Store) claimIn(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
 	sh.mu.Lock()
-	c, err := s.claimLocked(sh, key, h, &p, lease, now)
+	c, err := s.claimLocked(sh, key, h, p, lease, now)
 	sh.mu.Unlock()
+	if err != nil && errors.Is(err, errOverBytes) && s.freeElsewhere(sh, recordSize(key, p), now) {
+		sh.mu.Lock()
+		c, err = s.claimLocked(sh, key, h, p, lease, now)
+		sh.mu.Unlock()
+	}
 	return c, err
+}
+
+// freeElsewhere makes room for size bytes in the shards other than skip,
+// a few rounds over them at most, and reports whether the bound now has
+// room.
+func (s *Store) freeElsewhere(skip *shard, size, now int64) bool {
+	for range 4 {
+		for i := range s.shards {
+			if s.bytes.Load()+size <= s.maxBytes {
+				return true
+			}
+			o := &s.shards[i]
+			if o == skip {
+				continue
+			}
+			o.mu.Lock()
+			s.makeRoom(o, now) // an error: nothing to free there
+			o.mu.Unlock()
+		}
+	}
+	return s.bytes.Load()+size <= s.maxBytes
+}
+
+// recordSize is what WithMaxBytes counts for a new record of key.
+func recordSize(key dedup.Key, p *print) int64 {
+	size := int64(RecordOverhead + len(key.Scope) + len(key.ID))
+	if p.kind == fpString {
+		size += extraOverhead + int64(len(p.fp))
+	}
+	return size
 }
 
 func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
@@ -680,11 +729,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 		moved = true
 	}
 	if s.maxBytes > 0 {
-		size := int64(RecordOverhead + len(key.Scope) + len(key.ID))
-		if p.kind == fpString {
-			size += extraOverhead + int64(len(p.fp))
-		}
-		if s.bytes.Load()+size > s.maxBytes {
+		if size := recordSize(key, p); s.bytes.Load()+size > s.maxBytes {
 			if err := s.fitBytes(sh, size, now); err != nil {
 				return dedup.Claim{}, err
 			}
@@ -769,14 +814,14 @@ func (s *Store) fitBytes(sh *shard, size int64, now int64) error {
 		if s.bytes.Load()+size <= s.maxBytes {
 			return nil
 		}
-		if err := s.makeRoom(sh, now); err != nil {
-			return err
+		if s.makeRoom(sh, now) != nil {
+			break
 		}
 	}
 	if s.bytes.Load()+size <= s.maxBytes {
 		return nil
 	}
-	return &dedup.StoreError{Store: storeName, Op: "claim", Err: dedup.ErrFull, NotApplied: true}
+	return &dedup.StoreError{Store: storeName, Op: "claim", Err: errOverBytes, NotApplied: true}
 }
 
 // lookup finds the record of key, whose ID hashes to h, in sh.
@@ -938,9 +983,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		req := &reqs[i]
 		p := parsePrint(req.Fingerprint)
 		h, sh := s.hash(req.Key.ID)
-		sh.mu.Lock()
-		c, err := s.claimLocked(sh, req.Key, h, &p, lease, now)
-		sh.mu.Unlock()
+		c, err := s.claimIn(sh, req.Key, h, &p, lease, now)
 		if err != nil {
 			// The caller gets no claims to complete or release: the keys
 			// acquired so far would stay in progress, owned by nobody,
