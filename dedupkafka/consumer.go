@@ -219,6 +219,11 @@ func (c *Consumer) Stats() Stats {
 // Run consumes until ctx is done or Close is called, then leaves the group
 // (committing what is final) and returns nil. It returns early with an
 // error only when the client fails for good. Run may be called once.
+//
+// When ctx ends or Close is called, no new record starts; the records
+// being processed run on a context that outlives ctx by the drain timeout
+// ([WithDrainTimeout]), so that their completions are recorded and
+// committed rather than cut short.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !c.running.CompareAndSwap(false, true) {
 		return ErrClosed
