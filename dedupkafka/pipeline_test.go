@@ -11,49 +11,20 @@ import (
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/internal/redistest"
-	"github.com/dedupkit/dedup/redisstore"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// heldStore is a real redisstore whose completion of the first batch (the
-// one from m0) waits for release, and which counts its batch claims. The
-// batch is picked by its first key, not by the order of the calls: the
+// newHeldStore holds the completion of the first batch (the one from m0).
+// The batch is picked by its first key, not by the order of the calls: the
 // first batch's completion runs on a goroutine of the pipeline, and under
 // load the second batch can be claimed, run and completed before that
 // goroutine reaches the store.
-type heldStore struct {
-	*redisstore.Store
-	once    sync.Once
-	claims  atomic.Int64
-	calls   atomic.Int64
-	entered chan []dedup.Completion // the held completion's items
-	release chan struct{}
-}
-
-func newHeldStore(t *testing.T) *heldStore {
+func newHeldStore(t *testing.T) *redistest.Held {
 	t.Helper()
 	prefix := "kpipe:" + t.Name() + ":" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
-	s := redistest.Store(t, prefix)
-	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
-}
-
-// open lets the held completion go on; the tests also call it in a
-// cleanup registered after the consumer's, which runs first: a test that
-// fails while the completion is held would otherwise hang in the
-// consumer's Close, which waits for it.
-func (s *heldStore) open() { s.once.Do(func() { close(s.release) }) }
-
-func (s *heldStore) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease time.Duration) ([]dedup.Claim, error) {
-	s.claims.Add(1)
-	return s.Store.ClaimBatch(ctx, reqs, lease)
-}
-
-func (s *heldStore) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
-	if len(items) > 0 && items[0].Claim.Key.ID == "m0" && s.calls.Add(1) == 1 {
-		s.entered <- items
-		<-s.release
-	}
-	return s.Store.CompleteBatch(ctx, items, ret)
+	return redistest.NewHeld(t, prefix, func(items []dedup.Completion) bool {
+		return len(items) > 0 && items[0].Claim.Key.ID == "m0"
+	})
 }
 
 // TestBatchPipelineCompletionLostHoldsPartition: in batch mode on Redis,
@@ -95,14 +66,14 @@ func TestBatchPipelineCompletionLostHoldsPartition(t *testing.T) {
 		return false
 	}
 	stop := run(t, c)
-	t.Cleanup(store.open)
+	t.Cleanup(store.Open)
 
-	items := <-store.entered
+	items := <-store.Entered
 	if len(items) != 100 || items[0].Claim.Key.ID != "m0" {
 		t.Fatalf("first completion of %d items from %s, want m0..m99", len(items), items[0].Claim.Key.ID)
 	}
 	// The next batch is claimed while this completion is held.
-	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
+	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.Claims.Load() >= 2 })
 	if s := c.Stats(); s.Final != 0 || s.Commits != 0 {
 		t.Fatalf("stats %+v while the first completion is held: want nothing final or committed", s)
 	}
@@ -113,7 +84,7 @@ func TestBatchPipelineCompletionLostHoldsPartition(t *testing.T) {
 	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(items[50].Claim.Key)).Build()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	store.open()
+	store.Open()
 	allCommitted(t, seeds, "g", "orders")
 	stop()
 
@@ -178,19 +149,19 @@ func TestBatchPipelineHeldCompletionFailureStopsLaterBatches(t *testing.T) {
 	}
 	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
 	stop := run(t, c)
-	t.Cleanup(store.open)
+	t.Cleanup(store.Open)
 
-	items := <-store.entered
+	items := <-store.Entered
 	if len(items) != 100 || items[0].Claim.Key.ID != "m0" {
 		t.Fatalf("first completion of %d items from %s, want m0..m99", len(items), items[0].Claim.Key.ID)
 	}
-	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
+	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.Claims.Load() >= 2 })
 	time.Sleep(50 * time.Millisecond) // the third batch built and waiting for a slot
 	rc := store.Client()
 	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(items[50].Claim.Key)).Build()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	store.open()
+	store.Open()
 	allCommitted(t, seeds, "g", "orders")
 	stop()
 
@@ -234,10 +205,10 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	}
 	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
 	stop := run(t, c)
-	t.Cleanup(store.open)
+	t.Cleanup(store.Open)
 
-	<-store.entered
-	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.claims.Load() >= 2 })
+	<-store.Entered
+	waitFor(t, "the second batch claimed under the held completion", func() bool { return store.Claims.Load() >= 2 })
 	closed := make(chan error, 1)
 	go func() { closed <- stop() }()
 	select {
@@ -248,7 +219,7 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	if got := committed(t, seeds, "g", "orders"); len(got) != 0 {
 		t.Fatalf("committed %v while the first completion is held", got)
 	}
-	store.open()
+	store.Open()
 	select {
 	case err := <-closed:
 		if err != nil {
@@ -270,7 +241,8 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 // heldOne holds the first Complete of record m0 (one record at a time:
 // the processor completes each record alone) until release is closed.
 type heldOne struct {
-	*heldStore
+	*redistest.Held
+	calls   atomic.Int64
 	one     sync.Once
 	entered chan struct{}
 }
@@ -278,9 +250,9 @@ type heldOne struct {
 func (s *heldOne) Complete(ctx context.Context, c dedup.Claim, result []byte, ret time.Duration) error {
 	if c.Key.ID == "m0" && s.calls.Add(1) == 1 {
 		s.one.Do(func() { close(s.entered) })
-		<-s.release
+		<-s.Released()
 	}
-	return s.heldStore.Store.Complete(ctx, c, result, ret)
+	return s.Held.Store.Complete(ctx, c, result, ret)
 }
 
 // TestCloseWaitsForRecordCompletionInFlight: one record at a time (the
@@ -295,7 +267,7 @@ func TestCloseWaitsForRecordCompletionInFlight(t *testing.T) {
 	const n = 20
 	produce(t, seeds, "orders", n, 7, nil)
 	eff := newEffects()
-	store := &heldOne{heldStore: newHeldStore(t), entered: make(chan struct{})}
+	store := &heldOne{Held: newHeldStore(t), entered: make(chan struct{})}
 	p, err := consumer.New("kafka-close-one", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
 		eff.apply(m)
 		return nil, nil
@@ -306,7 +278,7 @@ func TestCloseWaitsForRecordCompletionInFlight(t *testing.T) {
 	}
 	c := newConsumer(t, seeds, "g", "orders", p)
 	stop := run(t, c)
-	t.Cleanup(store.open)
+	t.Cleanup(store.Open)
 
 	<-store.entered
 	closed := make(chan error, 1)
@@ -316,7 +288,7 @@ func TestCloseWaitsForRecordCompletionInFlight(t *testing.T) {
 		t.Fatal("Close returned while a record's completion was in flight")
 	case <-time.After(200 * time.Millisecond):
 	}
-	store.open()
+	store.Open()
 	select {
 	case err := <-closed:
 		if err != nil {

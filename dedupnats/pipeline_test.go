@@ -3,46 +3,17 @@ package dedupnats
 import (
 	"context"
 	"strconv"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/internal/redistest"
-	"github.com/dedupkit/dedup/redisstore"
 )
 
-// heldStore is a real redisstore whose first batch completion waits for
-// release, handing its items to the test first.
-type heldStore struct {
-	*redisstore.Store
-	once    sync.Once
-	calls   atomic.Int64
-	entered chan []dedup.Completion
-	release chan struct{}
-}
-
-func newHeldStore(t *testing.T) *heldStore {
+// newHeldStore holds the first batch completion.
+func newHeldStore(t *testing.T) *redistest.Held {
 	t.Helper()
-	prefix := "npipe:" + t.Name() + ":" + strconv.FormatInt(time.Now().UnixNano(), 36) + ":"
-	s := redistest.Store(t, prefix)
-	return &heldStore{Store: s, entered: make(chan []dedup.Completion, 1), release: make(chan struct{})}
-}
-
-// open lets the held completion go on; the tests also call it in a
-// cleanup registered after the consumer's, which runs first: a test that
-// fails while the completion is held would otherwise hang in the
-// consumer's Close, which waits for it.
-func (s *heldStore) open() { s.once.Do(func() { close(s.release) }) }
-
-func (s *heldStore) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
-	if s.calls.Add(1) == 1 {
-		s.entered <- items
-		<-s.release
-	}
-	return s.Store.CompleteBatch(ctx, items, ret)
+	return redistest.NewHeld(t, "npipe:"+t.Name()+":"+strconv.FormatInt(time.Now().UnixNano(), 36)+":", nil)
 }
 
 // TestBatchPipelineAcksAfterCompletion: with batch processing on Redis,
@@ -72,9 +43,9 @@ func TestBatchPipelineAcksAfterCompletion(t *testing.T) {
 	durable := uniqueName(t, "C")
 	c := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
 	r.start(c)
-	t.Cleanup(store.open)
+	t.Cleanup(store.Open)
 
-	items := <-store.entered
+	items := <-store.Entered
 	if s := c.Stats(); s.Acked != 0 || s.Naked != 0 || s.Terminated != 0 {
 		t.Fatalf("stats %+v while the first batch's completion is in flight: want nothing settled", s)
 	}
@@ -83,7 +54,7 @@ func TestBatchPipelineAcksAfterCompletion(t *testing.T) {
 	if err := rc.Do(ctxT(t), rc.B().Del().Key(store.RedisKey(lost)).Build()).Error(); err != nil {
 		t.Fatal(err)
 	}
-	store.open()
+	store.Open()
 
 	eventually(t, "every message applied", func() bool { return eff.all(want) && p.Stats().Applied == uint64(len(want)) && eff.get(lost.ID) == 2 })
 	info := r.settled(durable)
@@ -133,9 +104,9 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	durable := uniqueName(t, "C")
 	c := r.consumer(nil, durable, p, WithBatchProcessing(), WithBatch(16))
 	errc := r.start(c)
-	t.Cleanup(store.open)
+	t.Cleanup(store.Open)
 
-	items := <-store.entered
+	items := <-store.Entered
 	closed := make(chan struct{})
 	go func() { c.Close(); close(closed) }()
 	select {
@@ -146,7 +117,7 @@ func TestBatchPipelineCloseWaitsForCompletionInFlight(t *testing.T) {
 	if s := c.Stats(); s.Acked != 0 {
 		t.Fatalf("stats %+v while the first completion is held: want nothing acknowledged", s)
 	}
-	store.open()
+	store.Open()
 	select {
 	case <-closed:
 	case <-time.After(waitLong):
