@@ -421,11 +421,6 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 		c.drainBatches(ctx, pt)
 		return
 	}
-	// Scratch slices, reused for every batch of this drain (one record at
-	// a time by default: four allocations a record saved).
-	b := c.cfg.batch
-	msBuf, dsBuf := make([]*consumer.Message, b), make([]consumer.Decision, b)
-	run, at := make([]*consumer.Message, 0, b), make([]int, 0, b)
 	// The counts of final records go to the shared stats once per drain,
 	// not once per record: partitions run on several cores at once, and an
 	// atomic add per record makes them fight over its cache line.
@@ -440,66 +435,38 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 		}
 	}()
 	for len(pt.backlog) > 0 && ctx.Err() == nil {
-		n := min(b, len(pt.backlog))
-		recs := pt.backlog[:n]
-		ms, ds := msBuf[:n], dsBuf[:n]
-		clear(ds)
-		run, at = run[:0], at[:0]
-		for i, r := range recs {
-			delivery := 1
-			if i == 0 {
-				delivery += pt.redeliver
-			}
-			m, err := newMessage(r, delivery)
-			ms[i] = m
-			if err != nil {
-				// Decided in its turn below, after the records before it.
-				ds[i] = consumer.Decision{Err: err}
-				continue
-			}
-			run = append(run, m)
-			at = append(at, i)
+		r := pt.backlog[0]
+		m, err := newMessage(r, 1+pt.redeliver)
+		d := consumer.Decision{Err: err}
+		if err == nil {
+			d = c.p.Process(rctx, m)
 		}
-		if len(run) == 1 {
-			ds[at[0]] = c.p.Process(rctx, run[0])
-		} else if len(run) > 1 {
-			for j, d := range c.p.ProcessBatch(rctx, run) {
-				ds[at[j]] = d
-			}
+		if d.Action == 0 {
+			c.st.envelope.Add(1)
+			d = c.p.Quarantine(rctx, m, consumer.ClassPermanent, d.Err)
 		}
-		for i, r := range recs {
-			d := ds[i]
-			if d.Action == 0 {
-				c.st.envelope.Add(1)
-				d = c.p.Quarantine(rctx, ms[i], consumer.ClassPermanent, d.Err)
+		if d.Action == consumer.Retry {
+			if ctx.Err() != nil {
+				return // shutting down: the record stays unfinished
 			}
-			if d.Action == consumer.Retry {
-				pt.backlog = pt.backlog[i:]
-				if ctx.Err() != nil {
-					return // shutting down: the record stays unfinished
-				}
-				if i > 0 {
-					pt.redeliver = 0
-				}
-				pt.redeliver++
-				pt.held = true
-				pt.due = time.Now().Add(min(max(d.Delay, 0), c.cfg.maxHold))
-				c.st.held.Add(1)
-				c.cfg.logger.Debug("dedupkafka: holding partition", slog.String("topic", pt.topic),
-					slog.Int("partition", int(pt.partition)), slog.Int64("offset", r.Offset),
-					slog.String("message_id", ms[i].ID), slog.Duration("delay", d.Delay), slog.Any("err", d.Err))
-				return
-			}
-			final++
-			if d.Duplicate {
-				duplicates++
-			}
-			if d.Action == consumer.DeadLettered {
-				deadLettered++
-			}
-			pt.next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+			pt.redeliver++
+			pt.held = true
+			pt.due = time.Now().Add(min(max(d.Delay, 0), c.cfg.maxHold))
+			c.st.held.Add(1)
+			c.cfg.logger.Debug("dedupkafka: holding partition", slog.String("topic", pt.topic),
+				slog.Int("partition", int(pt.partition)), slog.Int64("offset", r.Offset),
+				slog.String("message_id", m.ID), slog.Duration("delay", d.Delay), slog.Any("err", d.Err))
+			return
 		}
-		pt.backlog = pt.backlog[n:]
+		final++
+		if d.Duplicate {
+			duplicates++
+		}
+		if d.Action == consumer.DeadLettered {
+			deadLettered++
+		}
+		pt.next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+		pt.backlog = pt.backlog[1:]
 		pt.redeliver = 0
 	}
 	if len(pt.backlog) == 0 {
