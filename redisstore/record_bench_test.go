@@ -97,7 +97,9 @@ func textCompleted(fp dedup.Fingerprint, result []byte) string {
 // fingerprint and a 32-byte result, as MEMORY USAGE reports it (averaged
 // over 200 keys) and as the growth of used_memory over n records (which
 // adds the expiry table and the hash tables' buckets), against a plain
-// SET NX EX "1" on keys of the same length. Run with -benchtime 1x.
+// SET NX EX "1" on keys of the same length, and against the floor of any
+// record keeping the result: a plain SET of the 32-byte result alone.
+// Run with -benchtime 1x.
 func BenchmarkRecordBytes(b *testing.B) {
 	srv, s := benchServer(b)
 	c := s.Client()
@@ -113,6 +115,15 @@ func BenchmarkRecordBytes(b *testing.B) {
 			cmds := make(rueidis.Commands, len(keys))
 			for i, k := range keys {
 				cmds[i] = c.B().Set().Key(s.RedisKey(k)).Value("1").Nx().Ex(time.Hour).Build()
+			}
+			do(b, c, cmds...)
+		}},
+		{"result", func(keys []dedup.Key) {
+			// the floor of any record that keeps the 32-byte result: the
+			// result alone as the value, no state, token or fingerprint
+			cmds := make(rueidis.Commands, len(keys))
+			for i, k := range keys {
+				cmds[i] = c.B().Set().Key(s.RedisKey(k)).Value(string(result)).Nx().PxMilliseconds(time.Hour.Milliseconds()).Build()
 			}
 			do(b, c, cmds...)
 		}},
