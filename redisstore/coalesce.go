@@ -3,7 +3,6 @@ package redisstore
 import (
 	"bytes"
 	"context"
-	"errors"
 	"sync"
 	"time"
 
@@ -38,9 +37,10 @@ import (
 // that gives up before gets a not-applied error and its item is dropped.
 // Close fails the batch still filling with ErrClosed (nothing of it is
 // sent), ends the flushes in flight and waits for them. A batch that holds
-// only the item of the caller taking it is the exception: on a pipelining
-// client it is sent on that caller's goroutine, under its context (see
-// flushLone), since nobody else waits for it.
+// only the item of the caller taking it is the exception: in a store from
+// Open it is sent on that caller's goroutine (see flushLone), since nobody
+// else waits for it, and like a claim it then waits for its reply whatever
+// its caller's cancellation (callCtx).
 
 const (
 	maxFlushes   = 2
@@ -181,21 +181,15 @@ func (s *Store) abandon(ctx context.Context, b *pendingBatch, i int) error {
 // flushLone sends b, which holds only its caller's item, on the caller's
 // goroutine: no goroutine is started and no reply handed over, which is
 // what a lone caller (one worker) paid for on every completion. Nobody
-// else waits for b, so the caller's context may end the send: the call
-// runs on a context that ends with ctx (its cancellation or its deadline)
-// or with Close, and has no deadline of its own, so that rueidis queues it
-// on its pipelined connection and gives up at once when it ends (with a
-// deadline rueidis may send on an idle connection synchronously, which
-// waits for the deadline whatever the cancellation). A caller that gives
-// up gets an error wrapping its context's, outcome unknown (the call may
-// have been sent), as when it gives up on a batch in flight; unlike a
-// batch in flight, whose flush goes on, a lone call given up on before
-// rueidis wrote it is not sent (its record stays in progress until its
-// lease ends, as after any lost completion). Only on a
-// client that pipelines (Store.inlineLone): a client with
-// DisableAutoPipelining sends every call synchronously, so there the
-// flush goroutine stays, and the caller still returns when its context
-// ends.
+// else waits for b. Like every call of the store it runs on callCtx(ctx):
+// a caller that has given up before it is sent gets a not-applied error
+// and nothing is sent; once sent, the call waits for its reply, so its
+// outcome is known, until the caller's deadline, the client's
+// ConnWriteTimeout or Close (which closes the client: only stores from
+// Open send inline, Store.inlineLone), whichever comes first; a
+// cancellation without a deadline does not end it. A call ended that way
+// gets an error whose outcome is unknown (the record is in progress until
+// its lease ends, or completed).
 func (s *Store) flushLone(ctx context.Context, b *pendingBatch) {
 	if err := ctx.Err(); err != nil {
 		// Not sent: the caller gave up first.
@@ -203,21 +197,10 @@ func (s *Store) flushLone(ctx context.Context, b *pendingBatch) {
 		close(b.done)
 		return
 	}
-	fctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	cctx, cancel := callCtx(ctx)
 	defer cancel()
-	defer context.AfterFunc(ctx, cancel)()
-	defer context.AfterFunc(s.coalesce.stop, cancel)()
 	errs := make([]error, 1)
-	s.completeItems(fctx, b.items, b.rets[0], errs)
-	if errs[0] != nil && fctx.Err() != nil && !errors.Is(errs[0], dedup.ErrLeaseLost) {
-		// The reply was given up on: report the caller's own cause
-		// (ErrClosed after Close).
-		cause := ctx.Err()
-		if cause == nil {
-			cause = fctx.Err()
-		}
-		errs[0] = s.fail("complete", cause)
-	}
+	s.completeItems(cctx, b.items, b.rets[0], errs)
 	b.errs = errs
 	close(b.done)
 }

@@ -46,10 +46,11 @@ func claimOne(t *testing.T, s *Store, id string) dedup.Claim {
 // context said (up to the flush timeout), then reported the batch's
 // outcome, here the client's own timeout, not its cancellation.
 //
-// The batch is one completion, which a store on a pipelining client sends
-// on its caller's goroutine (TestCompleteLoneCancelled); inlineLone is
-// turned off here so that the flush goroutine, which sends every batch of
-// several callers, sends it.
+// The batch is one completion, which a store from Open sends on its
+// caller's goroutine, where a cancellation no longer ends it once sent
+// (TestCallOnFrozenServerEndsAtConnWriteTimeout); inlineLone is turned off
+// here so that the flush goroutine, which sends every batch of several
+// callers, sends it.
 func TestCompleteSenderHonoursItsContext(t *testing.T) {
 	srv := testenv.StartRedis(t, "")
 	s, err := Open(rueidis.ClientOption{InitAddress: srv.Addrs()})
@@ -330,57 +331,5 @@ func TestCompleteLoneDeadline(t *testing.T) {
 	}
 	if n := flushesInFlight(s); n != 0 {
 		t.Fatalf("%d flush slots held after the lone completion returned", n)
-	}
-}
-
-// TestCompleteLoneCancelled: a lone completion sent on its caller's
-// goroutine returns when its context is cancelled while the server does
-// not answer, with an error wrapping context.Canceled, and holds no flush
-// slot after. Its outcome is unknown unless the error says not applied,
-// in which case the record must still be in progress once the server
-// answers again; either way the record is never anything but in progress
-// or completed with this result.
-func TestCompleteLoneCancelled(t *testing.T) {
-	srv := testenv.StartRedis(t, "")
-	s, err := Open(rueidis.ClientOption{InitAddress: srv.Addrs()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	bg := context.Background()
-	if err := s.client.Do(bg, s.client.B().ScriptLoad().Script(completeOneScript).Build()).Error(); err != nil {
-		t.Fatal(err)
-	}
-	c := claimOne(t, s, "lone-cancel")
-	srv.Freeze()
-	thawed := false
-	defer func() {
-		if !thawed {
-			srv.Thaw()
-		}
-	}()
-	ctx, cancel := context.WithCancel(bg)
-	errc := make(chan error, 1)
-	go func() { errc <- s.Complete(ctx, c, []byte("r"), time.Hour) }()
-	waitFor(t, "the completion to be taken", func() bool { return flushesInFlight(s) == 1 && queued(s) == 0 })
-	cancel()
-	err = <-errc
-	srv.Thaw()
-	thawed = true
-	var se *dedup.StoreError
-	if !errors.As(err, &se) || !errors.Is(err, context.Canceled) {
-		t.Fatalf("lone completion cancelled: %v, want a store error wrapping context.Canceled", err)
-	}
-	if n := flushesInFlight(s); n != 0 {
-		t.Fatalf("%d flush slots held after the lone completion returned", n)
-	}
-	d, err := s.Claim(bg, c.Key, dedup.FingerprintOf([]byte("p")), time.Minute)
-	switch {
-	case err != nil:
-		t.Fatal(err)
-	case se.NotApplied && d.Outcome != dedup.InProgress:
-		t.Fatalf("completion reported not applied, record %v, want in progress", d.Outcome)
-	case d.Outcome != dedup.InProgress && (d.Outcome != dedup.Duplicate || string(d.Result) != "r"):
-		t.Fatalf("record after a cancelled lone completion: %v %q", d.Outcome, d.Result)
 	}
 }

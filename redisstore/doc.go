@@ -44,10 +44,42 @@
 // batches are on the wire, and the first caller to find a slot free sends
 // it (a lone call is sent at once; a caller whose context ends before its
 // batch is sent gets a not-applied error and its record stays in
-// progress; one whose context ends after gets an error whose outcome is
-// unknown; a call still queued at Close gets ErrClosed and is not sent). On a cluster the client
+// progress; one whose context ends while a batch of several callers is
+// on the wire gets an error whose outcome is unknown; a call still queued
+// at Close gets ErrClosed and is not sent). On a cluster the client
 // splits a pipeline per node and slot and the replies come back in request
 // order.
+//
+// # Cancellation and deadlines
+//
+// A call whose context has already ended is refused before anything is
+// sent: a [*dedup.StoreError] that wraps the context's error and is
+// NotApplied. Once a call is on its way it waits for its reply: a
+// cancellation of the caller's context no longer ends it, because the
+// reply is the only way to know what a claim or a completion did (a
+// claim given up on may have run, and then its key waits for the lease
+// to end; a completion given up on may have completed). Every call runs
+// on a context that keeps the caller's values and deadline but not its
+// bare cancellation, and ends at the first of: its reply; the caller's
+// deadline; the client's ConnWriteTimeout (rueidis sets a call answered
+// on its caller's goroutine a connection deadline of that length, and
+// detects a silent server on a busy connection with PINGs bounded by it,
+// plus at most one keep-alive interval; 10s by default: set it, with
+// Dialer.KeepAlive, to the longest a shutdown may wait for a silent
+// server); Close of a store from [Open], which closes the client. A call
+// ended that way returns a store error whose outcome is unknown. So a
+// consumer that stops (its context cancelled) while a call waits for a
+// live server gets that call's real outcome, a claim it can complete or
+// release, instead of a key left in progress until its lease ends; on a
+// silent server the stop waits up to ConnWriteTimeout for that call. The
+// exception is a completion that joined a batch another caller sends: its
+// caller returns when its context ends (outcome unknown) while the batch
+// goes on. A side effect that is also the reason for this: rueidis
+// answers a lone call on an idle connection on the caller's goroutine
+// only when the call's context has a deadline or cannot be cancelled; a
+// cancellable one without a deadline (a consumer's) sent every call
+// through its writer and reader goroutines for good
+// (docs/benchmarks.md, dedupamqp with Redis, one worker).
 //
 // # What Redis does not guarantee
 //
@@ -68,8 +100,8 @@
 //
 // # Failures
 //
-// Connection refused, a timeout, a cancelled context and a server restart
-// give a [*dedup.StoreError] wrapping the cause; callers fail closed (the
+// Connection refused, a timeout, a context ended before the call and a
+// server restart give a [*dedup.StoreError] wrapping the cause; callers fail closed (the
 // Runner does not run the handler and does not report a duplicate). No
 // store error is reported SafeToRetry once the script may have been sent:
 // a claim whose reply was lost may have run, and then its lease protects

@@ -36,9 +36,9 @@ type Store struct {
 	cluster                bool       // keys of one script must share a slot
 
 	// inlineLone: a lone completion is sent on its caller's goroutine
-	// (flushLone). Set by Open when the client pipelines (rueidis queues
-	// a call whose context can end and gives up on it when it ends) and
-	// no WAIT follows completions.
+	// (flushLone). Set by Open, which owns the client (Close closes it,
+	// which ends a call waiting for a silent server), when no WAIT
+	// follows completions.
 	inlineLone bool
 
 	ackReplicas int64 // WAIT for this many replicas after a completion (0: no WAIT)
@@ -140,7 +140,7 @@ func Open(opt rueidis.ClientOption, opts ...Option) (*Store, error) {
 		return nil, err
 	}
 	s.ownClient = true
-	s.inlineLone = !opt.DisableAutoPipelining && s.ackReplicas == 0
+	s.inlineLone = s.ackReplicas == 0
 	return s, nil
 }
 
@@ -301,6 +301,8 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := s.begin(ctx, "claim"); err != nil {
 		return dedup.Claim{}, err
 	}
+	ctx, cancel := callCtx(ctx)
+	defer cancel()
 	tok := dedup.NewToken()
 	rk := s.RedisKey(key)
 	fpEnc := encodeFP(fp)
@@ -407,6 +409,8 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	if len(reqs) == 0 {
 		return []dedup.Claim{}, nil
 	}
+	ctx, cancel := callCtx(ctx)
+	defer cancel()
 	toks := make([]dedup.Token, len(reqs))
 	keys := make([]string, len(reqs))
 	fps := make([]string, len(reqs))
@@ -476,6 +480,8 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	if len(items) == 0 {
 		return []error{}, nil
 	}
+	ctx, cancel := callCtx(ctx)
+	defer cancel()
 	errs := make([]error, len(items))
 	s.completeItems(ctx, items, retention, errs)
 	return errs, nil
@@ -682,6 +688,8 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := s.begin(ctx, "release"); err != nil {
 		return err
 	}
+	ctx, cancel := callCtx(ctx)
+	defer cancel()
 	res := s.release.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:])})
 	return s.fenced("release", res)
 }
@@ -697,6 +705,8 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if err := s.begin(ctx, "extend"); err != nil {
 		return c, err
 	}
+	ctx, cancel := callCtx(ctx)
+	defer cancel()
 	start := time.Now()
 	res := s.extend.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), ms(lease)})
 	if err := s.fenced("extend", res); err != nil {
@@ -727,6 +737,8 @@ func (s *Store) Ping(ctx context.Context) error {
 	if err := s.begin(ctx, "ping"); err != nil {
 		return err
 	}
+	ctx, cancel := callCtx(ctx)
+	defer cancel()
 	if err := s.client.Do(ctx, s.client.B().Ping().Build()).Error(); err != nil {
 		return s.fail("ping", err)
 	}
