@@ -193,6 +193,11 @@ func WithRetryDelays(ds ...time.Duration) ConsumerOption {
 // lets the messages being processed finish before their context is
 // cancelled. Messages received but not started are returned to the queue
 // when the channel closes. Default 10s.
+// A store call already sent when that context is cancelled ends by its
+// store's own bound, not at once (redisstore waits for the reply up to
+// the caller's deadline or its client's ConnWriteTimeout, 10s by
+// default), so with a store that stopped answering Close can take that
+// much longer than the drain timeout.
 func WithDrainTimeout(d time.Duration) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.drain = d })
 }

@@ -126,6 +126,11 @@ func WithCommitTimeout(d time.Duration) ConsumerOption {
 // completion cut short would leave the record in progress, uncommitted,
 // to be taken over after its lease and applied again. No new record
 // starts once Close was called. Default 10s.
+// A store call already sent when that context is cancelled ends by its
+// store's own bound, not at once (redisstore waits for the reply up to
+// the caller's deadline or its client's ConnWriteTimeout, 10s by
+// default), so with a store that stopped answering Close can take that
+// much longer than the drain timeout.
 func WithDrainTimeout(d time.Duration) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.drain = d })
 }

@@ -160,6 +160,11 @@ func WithDoubleAck() ConsumerOption {
 // cancelled. Messages fetched but not started are not run; they are
 // released (Nak) for another instance once the pending pull request has
 // ended. Default 10s.
+// A store call already sent when that context is cancelled ends by its
+// store's own bound, not at once (redisstore waits for the reply up to
+// the caller's deadline or its client's ConnWriteTimeout, 10s by
+// default), so with a store that stopped answering Close can take that
+// much longer than the drain timeout.
 func WithDrainTimeout(d time.Duration) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.drain = d })
 }

@@ -491,6 +491,20 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 // and sets errs[i] for items[i].
 func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, retention time.Duration, errs []error) {
 	ret := ms(retention)
+	if len(items) == 1 && s.ackReplicas == 0 {
+		// One key (a lone Complete): the one-key script as one command,
+		// without the groups and the pipeline below, which it would
+		// come to anyway.
+		it := &items[0]
+		res := s.completeOne.exec(ctx, s.client, []string{s.RedisKey(it.Claim.Key)}, []string{string(it.Claim.Token[:]), string(it.Result), ret})
+		switch done, err := completeReply(res, 1); {
+		case err != nil:
+			errs[0] = s.fail("complete", err)
+		case done != "" && done[0] != '1':
+			errs[0] = dedup.ErrLeaseLost
+		}
+		return
+	}
 	keys := make([]string, len(items))
 	for i := range items {
 		keys[i] = s.RedisKey(items[i].Claim.Key)
