@@ -644,29 +644,30 @@ const maxScriptKeys = 128
 
 // groups splits the indexes of keys, in order, into groups that one script
 // call may take: keys of one slot on a cluster, any keys otherwise; each
-// group holds at most maxScriptKeys.
+// group holds at most maxScriptKeys, and no key twice (completeManyScript
+// reads every key before it writes any, so a repeated key goes to a later
+// group, whose call runs after the first wrote it).
 func (s *Store) groups(keys []string) [][]int {
 	var groups [][]int
-	if !s.cluster {
-		for lo := 0; lo < len(keys); lo += maxScriptKeys {
-			g := make([]int, min(maxScriptKeys, len(keys)-lo))
-			for j := range g {
-				g[j] = lo + j
-			}
-			groups = append(groups, g)
-		}
-		return groups
-	}
-	open := make(map[uint16]int) // slot -> its group with room
+	open := make(map[uint16]int)            // slot -> its group with room
+	last := make(map[string]int, len(keys)) // key -> the group it was last put in
 	for i, k := range keys {
-		sl := slot(k)
+		var sl uint16
+		if s.cluster {
+			sl = slot(k)
+		}
 		g, ok := open[sl]
-		if !ok || len(groups[g]) == maxScriptKeys {
+		if lg, seen := last[k]; !ok || len(groups[g]) == maxScriptKeys || seen && lg == g {
 			g = len(groups)
-			groups = append(groups, nil)
+			var g0 []int
+			if !s.cluster {
+				g0 = make([]int, 0, min(maxScriptKeys, len(keys)-i))
+			}
+			groups = append(groups, g0)
 			open[sl] = g
 		}
 		groups[g] = append(groups[g], i)
+		last[k] = g
 	}
 	return groups
 }

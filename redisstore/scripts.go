@@ -173,42 +173,50 @@ return {1, -a, lease}
 
 // completeManyScript completes several records of one slot in one call:
 // KEYS; ARGV[1] retention ms, then for KEYS[i] ARGV[2i] its token and
-// ARGV[2i+1] its result. Each key's token is compared at its fixed offset
-// (a plain find that must match at byte 2, which builds no substring): a
-// missing record or another token is lease lost, a record this token
-// already completed is done again with no change. The completed record is
-// the kind, the token, the expiry, the in-progress record's bytes from the
-// attempt on (copied, not decoded) and the result. One MGET for all of
-// them and one clock read. It returns the integer 1 when every key was
-// done, else a string of one byte a key, in order: '1' done, '0' lease
-// lost (one reply to encode and parse, not one a key). A key given twice
-// is decided the second time on what the first wrote (wrote), not on the
-// MGET's value from before it. PSETEX is SET PX with one argument fewer to
-// convert; per key the script's time goes mostly to that write, the MGET
-// and the arguments (measured in BenchmarkCompleteServerTime).
+// ARGV[2i+1] its result. No key may appear twice in one call (groups
+// starts another call for a repeated key; the calls of a pipeline run in
+// order, so the later one is decided on what the earlier wrote). Each
+// key's token is compared at its fixed offset (a plain find that must
+// match at byte 2, which builds no substring): a missing record or another
+// token is lease lost, a record this token already completed is done
+// again with no change. The completed record is the kind, the token, the
+// expiry, the in-progress record's bytes from the attempt on (copied, not
+// decoded) and the result. One MGET for all of them and one clock read. It
+// returns the integer 1 when every key was done, else a string of one
+// byte a key, in order: '1' done, '0' lease lost (one reply to encode and
+// parse, not one a key); the table behind that string is only built once
+// a key is lost. PSETEX is SET PX with one argument fewer to convert. The
+// library functions are locals and the loop is a numeric for (no ipairs
+// call a key): with no per-key table writes, 7.8% fewer server
+// instructions a key than the version with them under callgrind. Per key
+// the script's time goes mostly to the write's redis.call (converting its
+// arguments and reply, and PSETEX itself), the MGET and the arguments
+// (measured in BenchmarkCompleteServerTime).
 const completeManyScript = `
+local call, find, byte, sub = redis.call, string.find, string.byte, string.sub
 local ret = tonumber(ARGV[1])
 ` + luaExpiry + `
-local vals = redis.call('MGET', unpack(KEYS))
-local out, wrote, lost = {}, {}, false
-for i, k in ipairs(KEYS) do
-	local old, tok = wrote[k] or vals[i], ARGV[2 * i]
-	local r = '0'
-	if old and string.find(old, tok, 2, true) == 2 then
-		local s = string.byte(old)
+local vals = call('MGET', unpack(KEYS))
+local out
+for i = 1, #KEYS do
+	local old, tok = vals[i], ARGV[2 * i]
+	local ok = false
+	if old and find(old, tok, 2, true) == 2 then
+		local s = byte(old)
 		if s == 1 then
-			local v = '\2' .. tok .. exp .. string.sub(old, 24) .. ARGV[2 * i + 1]
-			redis.call('PSETEX', k, ARGV[1], v)
-			wrote[k] = v
-			r = '1'
+			call('PSETEX', KEYS[i], ARGV[1], '\2' .. tok .. exp .. sub(old, 24) .. ARGV[2 * i + 1])
+			ok = true
 		elseif s == 2 or s == 99 then
-			r = '1'
+			ok = true
 		end
 	end
-	if r == '0' then lost = true end
-	out[i] = r
+	if not ok and not out then
+		out = {}
+		for j = 1, i - 1 do out[j] = '1' end
+	end
+	if out then out[i] = ok and '1' or '0' end
 end
-if not lost then return 1 end
+if not out then return 1 end
 return table.concat(out)
 `
 
