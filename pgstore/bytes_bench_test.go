@@ -78,16 +78,17 @@ func oldBatch(ctx context.Context, pool *pgxpool.Pool, q string, reqs []dedup.Cl
 }
 
 // BenchmarkBytesPerRow measures what a record costs on disk and what the
-// compact layout of migration 0006 costs in claim throughput against the
-// layout before it (schema version 5), in one process. It claims and
-// completes rows keys (1,000,000; -short 100,000) through both, in batches
+// store costs in claim throughput, in one process, on three tables: the
+// store as it is (compact layout, WithVacuum's default runs), the same
+// store with WithVacuum(0, 0) (today's: the code before those runs), and
+// the layout before migration 0006 (schema version 5) filled by that
+// version's statements (sent as version 5 sent them). It claims and
+// completes rows keys (1,000,000; -short 100,000) through each, in batches
 // of 1000, each completion one batch behind its claim as a consumer
-// works: the store's ClaimBatch and CompleteBatch on the compact table,
-// and the version-5 statements (sent as version 5 sent them) on a schema
-// migrated to version 5, the two in an order that alternates from batch
-// to batch, each timed alone. Message IDs are UUIDs in text (36 bytes),
-// the fingerprint is dedup.FingerprintOf's ("sha256:" and 64 hex digits),
-// the result 8 bytes.
+// works, the three in an order that rotates from batch to batch, each
+// timed alone. Message IDs are UUIDs in text (36 bytes), the fingerprint
+// is dedup.FingerprintOf's ("sha256:" and 64 hex digits), the result 8
+// bytes.
 //
 // Beside them, the floor: a table with the compact layout filled with
 // the same completed records by one INSERT each (no claim, so no update
@@ -97,7 +98,9 @@ func oldBatch(ctx context.Context, pool *pgxpool.Pool, q string, reqs []dedup.Cl
 //
 // It reports each table's heap (pg_table_size) and index bytes
 // (pg_indexes_size) per live row right after the last completion, and
-// the claim and completion rates of both layouts with their ratios.
+// the claim and completion rates with their ratios; with the pgstattuple
+// extension in the database, where the heap bytes go (live tuples, dead
+// ones, free space).
 // Autovacuum runs as the server is configured (point DEDUP_POSTGRES_URL
 // at a server with the defaults; the shared test server has it off):
 //
@@ -124,6 +127,18 @@ func BenchmarkBytesPerRow(b *testing.B) {
 		}
 		b.Logf("fillfactor = %s", ff)
 	}
+	// DEDUP_RELOPTIONS sets other storage parameters on the store's table
+	// (for example "autovacuum_vacuum_scale_factor = 0.02"), to measure
+	// what they change.
+	if ro := os.Getenv("DEDUP_RELOPTIONS"); ro != "" {
+		if _, err := pool.Exec(ctx, `ALTER TABLE `+s.Tables().Records+` SET (`+ro+`)`); err != nil {
+			b.Fatal(err)
+		}
+		b.Logf("reloptions: %s", ro)
+	}
+	// Today's: the same store without WithVacuum's runs (the code before
+	// it), in a schema of its own on the same pool and server.
+	s0 := openStoreOn(b, pool, freshSchema(b, pool), pgstore.WithVacuum(0, 0))
 	oldSchema, oldClaim, oldComplete, _ := oldStore(b, pool)
 	floor := s.Tables().Schema + ".floor"
 	if _, err := pool.Exec(ctx, `CREATE TABLE `+floor+` (LIKE `+s.Tables().Records+` INCLUDING ALL) WITH (fillfactor = 100)`); err != nil {
@@ -144,7 +159,21 @@ FROM unnest($2::bytea[], $3::bytea[], $5::bytea[]) AS u(id, token, fp)`
 		return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 	}
 	result := []byte("12345678")
-	var took [4]time.Duration // new claim, old claim, new complete, old complete
+	// newKeys returns a batch of new keys: the requests, and the stored
+	// IDs, tokens and fingerprints of the floor's completed records.
+	newKeys := func() (reqs []dedup.ClaimRequest, ids, toks, fps [][]byte) {
+		reqs = make([]dedup.ClaimRequest, batch)
+		ids, toks, fps = make([][]byte, batch), make([][]byte, batch), make([][]byte, batch)
+		for i := range reqs {
+			id := uuidText()
+			fp := dedup.FingerprintOf([]byte(id))
+			t := dedup.NewToken()
+			reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: id}, Fingerprint: fp}
+			ids[i], toks[i], fps[i] = pgstore.EncodeID(id), t[:], pgstore.FingerprintDigest(fp)
+		}
+		return reqs, ids, toks, fps
+	}
+	var took [6]time.Duration // claims: new, old, today's; completions: the same
 	timed := func(i int, f func() error) {
 		start := time.Now()
 		err := f()
@@ -154,25 +183,17 @@ FROM unnest($2::bytea[], $3::bytea[], $5::bytea[]) AS u(id, token, fp)`
 		}
 	}
 	for b.Loop() {
-		var pending []dedup.Completion
+		var pending, pending0 []dedup.Completion
 		var oldPending []dedup.ClaimRequest
 		var oldToks [][]byte
 		start := time.Now()
 		for round := 0; round*batch < rows; round++ {
-			reqs := make([]dedup.ClaimRequest, batch)
-			ids, toks, fps := make([][]byte, batch), make([][]byte, batch), make([][]byte, batch)
-			for i := range reqs {
-				id := uuidText()
-				fp := dedup.FingerprintOf([]byte(id))
-				t := dedup.NewToken()
-				reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: benchScope, ID: id}, Fingerprint: fp}
-				ids[i], toks[i], fps[i] = pgstore.EncodeID(id), t[:], pgstore.FingerprintDigest(fp)
-			}
+			reqs, ids, toks, fps := newKeys()
 			// The old statement needs its keys in order, as its
 			// ClaimBatch sorted them.
 			sorted := append([]dedup.ClaimRequest(nil), reqs...)
 			sortReqs(sorted)
-			var cs []dedup.Claim
+			var cs, cs0 []dedup.Claim
 			var newToks [][]byte
 			claims := []func(){
 				func() {
@@ -189,31 +210,47 @@ FROM unnest($2::bytea[], $3::bytea[], $5::bytea[]) AS u(id, token, fp)`
 						return err
 					})
 				},
+				func() {
+					timed(2, func() error {
+						var err error
+						cs0, err = s0.ClaimBatch(ctx, reqs, 30*time.Second)
+						return err
+					})
+				},
 			}
-			claims[round%2]()
-			claims[(round+1)%2]()
+			for k := range claims {
+				claims[(round+k)%len(claims)]()
+			}
 			if _, err := pool.Exec(ctx, floorInsert, scope, ids, toks, result, fps); err != nil {
 				b.Fatal(err)
 			}
 			if pending != nil {
 				completes := []func(){
 					func() {
-						timed(2, func() error { _, err := s.CompleteBatch(ctx, pending, time.Hour); return err })
+						timed(3, func() error { _, err := s.CompleteBatch(ctx, pending, time.Hour); return err })
 					},
 					func() {
-						timed(3, func() error { return oldCompleteBatch(ctx, pool, oldComplete, oldPending, oldToks, result) })
+						timed(4, func() error { return oldCompleteBatch(ctx, pool, oldComplete, oldPending, oldToks, result) })
+					},
+					func() {
+						timed(5, func() error { _, err := s0.CompleteBatch(ctx, pending0, time.Hour); return err })
 					},
 				}
-				completes[round%2]()
-				completes[(round+1)%2]()
+				for k := range completes {
+					completes[(round+k)%len(completes)]()
+				}
 			}
-			pending = make([]dedup.Completion, batch)
-			for i, c := range cs {
-				pending[i] = dedup.Completion{Claim: c, Result: result}
+			pending, pending0 = make([]dedup.Completion, batch), make([]dedup.Completion, batch)
+			for i := range cs {
+				pending[i] = dedup.Completion{Claim: cs[i], Result: result}
+				pending0[i] = dedup.Completion{Claim: cs0[i], Result: result}
 			}
 			oldPending, oldToks = sorted, newToks
 		}
 		if _, err := s.CompleteBatch(ctx, pending, time.Hour); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := s0.CompleteBatch(ctx, pending0, time.Hour); err != nil {
 			b.Fatal(err)
 		}
 		if err := oldCompleteBatch(ctx, pool, oldComplete, oldPending, oldToks, result); err != nil {
@@ -221,21 +258,79 @@ FROM unnest($2::bytea[], $3::bytea[], $5::bytea[]) AS u(id, token, fp)`
 		}
 		b.Logf("%d claims and completes on each layout in %v", rows, time.Since(start).Round(time.Second))
 	}
+	pgstore.WaitVacuum(s) // a run the last completions started
+	b.Logf("compact: %d VACUUMs run by the store", pgstore.VacuumRuns(s))
 	oldTable := pgx.Identifier{oldSchema, "dedup_records"}.Sanitize()
-	for _, t := range []struct{ name, table string }{{"compact", s.Tables().Records}, {"v5", oldTable}, {"floor", floor}} {
+	for _, t := range []struct{ name, table string }{{"compact", s.Tables().Records}, {"today", s0.Tables().Records}, {"v5", oldTable}, {"floor", floor}} {
 		heap, index, live := tableBytes(b, pool, t.table)
 		b.Logf("%s: %d live rows, heap %d B/row, indexes %d B/row, total %d B/row", t.name, live, heap/live, index/live, (heap+index)/live)
 		b.ReportMetric(float64(heap+index)/float64(live), t.name+"-B/row")
 		b.ReportMetric(float64(heap)/float64(live), t.name+"-heap-B/row")
 		b.ReportMetric(float64(index)/float64(live), t.name+"-index-B/row")
 	}
+	breakdown(b, pool, "compact", s.Tables().Records)
+	breakdown(b, pool, "today", s0.Tables().Records)
+	breakdown(b, pool, "floor", floor)
+	b.Logf("compact: %d autovacuums during the run", autovacuums(b, pool, s.Tables().Records))
+	// DEDUP_SETTLE=1 goes on after the figures above, to show what the
+	// table settles at once autovacuum has been (in a long-running store
+	// the dead versions of the last minute are a small part of the
+	// records kept): it waits for the next autovacuum of the store's
+	// table (at most 3 minutes), reports the sizes, then claims and
+	// completes another tenth of the keys the same way (and fills the
+	// floor with them), so that the space vacuum freed is used again, and
+	// reports the sizes once more.
+	if os.Getenv("DEDUP_SETTLE") != "" {
+		n0 := autovacuums(b, pool, s.Tables().Records)
+		wait := time.Now()
+		for autovacuums(b, pool, s.Tables().Records) == n0 && time.Since(wait) < 3*time.Minute {
+			time.Sleep(time.Second)
+		}
+		b.Logf("waited %v for an autovacuum (%d now)", time.Since(wait).Round(time.Second), autovacuums(b, pool, s.Tables().Records))
+		heap, index, live := tableBytes(b, pool, s.Tables().Records)
+		b.Logf("compact after autovacuum: %d live rows, heap %d B/row, indexes %d B/row, total %d B/row", live, heap/live, index/live, (heap+index)/live)
+		b.ReportMetric(float64(heap+index)/float64(live), "vacuumed-B/row")
+		var pending []dedup.Completion
+		for round := 0; round*batch < rows/10; round++ {
+			reqs, ids, toks, fps := newKeys()
+			cs, err := s.ClaimBatch(ctx, reqs, 30*time.Second)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := pool.Exec(ctx, floorInsert, scope, ids, toks, result, fps); err != nil {
+				b.Fatal(err)
+			}
+			if pending != nil {
+				if _, err := s.CompleteBatch(ctx, pending, time.Hour); err != nil {
+					b.Fatal(err)
+				}
+			}
+			pending = make([]dedup.Completion, batch)
+			for i, c := range cs {
+				pending[i] = dedup.Completion{Claim: c, Result: result}
+			}
+		}
+		if _, err := s.CompleteBatch(ctx, pending, time.Hour); err != nil {
+			b.Fatal(err)
+		}
+		for _, t := range []struct{ name, table string }{{"compact", s.Tables().Records}, {"floor", floor}} {
+			heap, index, live := tableBytes(b, pool, t.table)
+			b.Logf("%s after another %d: %d live rows, heap %d B/row, indexes %d B/row, total %d B/row", t.name, rows/10, live, heap/live, index/live, (heap+index)/live)
+			b.ReportMetric(float64(heap+index)/float64(live), t.name+"-settled-B/row")
+		}
+		breakdown(b, pool, "compact settled", s.Tables().Records)
+	}
 	rate := func(i int) float64 { return float64(rows) / took[i].Seconds() }
 	b.ReportMetric(rate(0), "claim-ids/s")
 	b.ReportMetric(rate(1), "v5-claim-ids/s")
+	b.ReportMetric(rate(2), "today-claim-ids/s")
 	b.ReportMetric(rate(0)/rate(1), "claim/v5")
-	b.ReportMetric(rate(2), "complete-ids/s")
-	b.ReportMetric(rate(3), "v5-complete-ids/s")
-	b.ReportMetric(rate(2)/rate(3), "complete/v5")
+	b.ReportMetric(rate(0)/rate(2), "claim/today")
+	b.ReportMetric(rate(3), "complete-ids/s")
+	b.ReportMetric(rate(4), "v5-complete-ids/s")
+	b.ReportMetric(rate(5), "today-complete-ids/s")
+	b.ReportMetric(rate(3)/rate(4), "complete/v5")
+	b.ReportMetric(rate(3)/rate(5), "complete/today")
 }
 
 // oldCompleteBatch sends the version-5 CompleteBatch statement for the
@@ -345,4 +440,33 @@ func BenchmarkClaimVsV5(b *testing.B) {
 	b.ReportMetric(rate(0), "claims/s")
 	b.ReportMetric(rate(1), "v5-claims/s")
 	b.ReportMetric(rate(0)/rate(1), "claim/v5")
+}
+
+// autovacuums returns how many times autovacuum has vacuumed table.
+func autovacuums(b *testing.B, pool *pgxpool.Pool, table string) int64 {
+	b.Helper()
+	var n int64
+	if err := pool.QueryRow(context.Background(), `SELECT coalesce((SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = $1::regclass), 0)`, table).Scan(&n); err != nil {
+		b.Fatal(err)
+	}
+	return n
+}
+
+// breakdown logs where a table's heap bytes go, per live row (live
+// tuples, dead tuples, free space), when the server has the pgstattuple
+// extension; it logs nothing otherwise.
+func breakdown(b *testing.B, pool *pgxpool.Pool, name, table string) {
+	b.Helper()
+	ctx := context.Background()
+	var live, liveBytes, dead, deadBytes, free int64
+	err := pool.QueryRow(ctx, `SELECT tuple_count, tuple_len, dead_tuple_count, dead_tuple_len, free_space FROM pgstattuple($1::regclass)`, table).
+		Scan(&live, &liveBytes, &dead, &deadBytes, &free)
+	if err != nil {
+		b.Logf("%s: no breakdown (%v)", name, err)
+		return
+	}
+	if live == 0 {
+		return
+	}
+	b.Logf("%s heap per live row: live tuples %d B, dead tuples %d B (%d dead versions), free space %d B", name, liveBytes/live, deadBytes/live, dead, free/live)
 }

@@ -552,6 +552,7 @@ func (s *Store) Complete(ctx context.Context, c dedup.Claim, result []byte, rete
 	if tag.RowsAffected() == 0 {
 		return dedup.ErrLeaseLost
 	}
+	s.completed(1)
 	return nil
 }
 
@@ -603,6 +604,7 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	if err != nil {
 		return nil, s.failAuto(ctx, "complete batch", err)
 	}
+	s.completed(int(completed))
 	if len(lost) == 0 {
 		return errs, nil
 	}

@@ -56,3 +56,10 @@ func ResetGuess(s *Store) {
 	defer s.guess.mu.Unlock()
 	s.guess.wait, s.guess.run = 0, 0
 }
+
+// VacuumRuns returns how many VACUUMs s has sent (WithVacuum).
+func VacuumRuns(s *Store) int64 { return s.vac.runs.Load() }
+
+// WaitVacuum waits for s's vacuum run in flight, if any. The caller must
+// not complete records meanwhile.
+func WaitVacuum(s *Store) { s.vac.wg.Wait() }

@@ -56,6 +56,9 @@ type Store struct {
 	// guess decides when a plain ClaimBatch tries the insert of new keys
 	// first (see claimNew and guessGate).
 	guess guessGate
+	// vac vacuums the plain records table as completions accumulate
+	// (WithVacuum).
+	vac vacuumer
 }
 
 // guessGate decides when ClaimBatch guesses that a batch's keys are all
@@ -208,6 +211,10 @@ func newStore(pool *pgxpool.Pool, cfg config) *Store {
 	h.Write([]byte(cfg.schema + "." + cfg.prefix))
 	s.salt = h.Sum64()
 	s.sql = buildStatements(&s.names, &cfg)
+	if cfg.vacuumMin > 0 && cfg.partition == 0 {
+		s.vac.min, s.vac.fraction = int64(cfg.vacuumMin), cfg.vacuumFraction
+		s.vac.ctx, s.vac.cancel = context.WithCancel(context.Background())
+	}
 	return s
 }
 
@@ -262,6 +269,7 @@ func (s *Store) Close() error {
 	for _, j := range jobs {
 		j.Close()
 	}
+	s.closeVacuum()
 	if s.ownPool {
 		s.pool.Close()
 	}

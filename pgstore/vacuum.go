@@ -1,0 +1,94 @@
+package pgstore
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+)
+
+// vacuumer runs VACUUM on the plain records table once enough records
+// have been completed through the store since its last run (see
+// [WithVacuum] for why). It belongs to its Store: Close cancels a run in
+// flight and waits for it.
+type vacuumer struct {
+	min      int64   // completions before the store looks at the table; 0: off
+	fraction float64 // of the table's estimated rows
+
+	pending atomic.Int64 // completions since the last run
+	need    atomic.Int64 // pending that makes the store look again: min, or the last size read
+	running atomic.Bool  // a run (or its decision) is in flight
+	runs    atomic.Int64 // VACUUMs sent, for tests
+
+	ctx    context.Context // cancelled by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+// completed notes n records completed (a completion writes a new version
+// of each, leaving the claim's version dead) and starts a run in the
+// background when at least the option's minimum are pending and none is in
+// flight. The run decides against the table's size.
+func (s *Store) completed(n int) {
+	v := &s.vac
+	if v.min == 0 || n <= 0 {
+		return
+	}
+	if v.pending.Add(int64(n)) < max(v.min, v.need.Load()) || !v.running.CompareAndSwap(false, true) {
+		return
+	}
+	s.mu.Lock()
+	if s.closed.Load() {
+		s.mu.Unlock()
+		v.running.Store(false)
+		return
+	}
+	v.wg.Add(1)
+	s.mu.Unlock()
+	go s.vacuum()
+}
+
+// vacuum runs VACUUM on the records table if the completions pending are
+// at least the option's fraction of its estimated rows (pg_class.reltuples,
+// which vacuum and analyze keep up to date).
+func (s *Store) vacuum() {
+	v := &s.vac
+	defer v.wg.Done()
+	defer v.running.Store(false)
+	ctx := v.ctx
+	pending := v.pending.Load()
+	var rows float64
+	if err := s.pool.QueryRow(ctx, `SELECT reltuples FROM pg_class WHERE oid = $1::regclass`, s.names.records).Scan(&rows); err != nil {
+		if ctx.Err() == nil {
+			s.logger().WarnContext(ctx, "dedup records vacuum: reading the table's size failed", "table", s.names.records, "error", err)
+		}
+		return
+	}
+	if need := v.fraction * rows; float64(pending) < need {
+		// Not yet: look again once that many are pending (at most
+		// one read of the size per run of the table's growth).
+		v.need.Store(int64(min(need, 1<<62)))
+		return
+	}
+	v.pending.Add(-pending)
+	v.need.Store(0) // the run updates reltuples: read it again next time
+	v.runs.Add(1)
+	// SKIP_LOCKED: a vacuum already at work on the table (autovacuum,
+	// another store's) or a lock held by DDL makes this one skip at once
+	// instead of queueing. A role that does not own the table gets a
+	// warning from the server and nothing is done.
+	if _, err := s.pool.Exec(ctx, `VACUUM (SKIP_LOCKED) `+s.names.records); err != nil && ctx.Err() == nil {
+		s.logger().WarnContext(ctx, "dedup records vacuum failed", "table", s.names.records, "error", err)
+	}
+}
+
+// closeVacuum cancels a run in flight and waits for it. The caller has
+// set s.closed, so no run starts after it takes s.mu.
+func (s *Store) closeVacuum() {
+	if s.vac.cancel == nil {
+		return
+	}
+	s.mu.Lock()
+	s.mu.Unlock() //nolint:staticcheck // a barrier: completed() checks closed under s.mu
+	s.vac.cancel()
+	s.vac.wg.Wait()
+}
