@@ -195,9 +195,10 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // database at most once a minute (autovacuum_naptime) and a table only
 // when a fifth of its rows are dead (autovacuum_vacuum_scale_factor), so
 // a table that takes records faster than that carries most of a minute of
-// dead versions and the holes vacuum left them: 251 B a record after a
-// million claims and completions in 90 s, against 176 with this (and 161
-// for the same records written once); docs/benchmarks.md has the runs.
+// dead versions, or space freed that no insert has reused yet: 224 B a record after a
+// million claims and completions in one run, against 173 with this in the
+// same run (and 161 for the same records written once); docs/benchmarks.md
+// has the runs.
 //
 // The run is VACUUM (SKIP_LOCKED): it skips at once when autovacuum or
 // another store is vacuuming the table, or DDL holds it. Each run scans
