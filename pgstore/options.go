@@ -194,11 +194,11 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // VACUUM makes that space known to later inserts, and autovacuum visits a
 // database at most once a minute (autovacuum_naptime) and a table only
 // when a fifth of its rows are dead (autovacuum_vacuum_scale_factor), so
-// a table that takes records faster than that carries most of a minute of
-// dead versions, or space freed that no insert has reused yet: 224 B a record after a
-// million claims and completions in one run, against 173 with this in the
-// same run (and 161 for the same records written once); docs/benchmarks.md
-// has the runs.
+// a table that takes records faster than that carries most of a minute
+// of dead versions, or space freed that no insert has reused yet: 224 B a
+// record after a million claims and completions in one run, against 173
+// with this in the same run (and 161 for the same records written once);
+// docs/benchmarks.md has the runs.
 //
 // The run is VACUUM (SKIP_LOCKED): it skips at once when autovacuum or
 // another store is vacuuming the table, or DDL holds it. Each run scans
@@ -208,7 +208,7 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // Every store on the table counts its own completions, so N stores vacuum
 // up to N times as often. A role that does not own the table cannot
 // vacuum it: the server logs a warning each time and nothing is done (turn
-// it off then). The partitioned layout ([WithPartitions]) never runs it:
+// it off then). A run holds one of the pool's connections while it lasts. The partitioned layout ([WithPartitions]) never runs it:
 // its old partitions are dropped whole.
 func WithVacuum(min int, fraction float64) Option {
 	return optionFunc(func(c *config) { c.vacuumMin, c.vacuumFraction = min, fraction })
