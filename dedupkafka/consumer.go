@@ -46,6 +46,17 @@ type Consumer struct {
 	rebalance  atomic.Bool
 	pollMu     sync.Mutex
 	pollCancel context.CancelFunc
+	// decided (guarded by pollMu) is set when a batch's decisions arrive
+	// on a pipeline goroutine (batch mode), and cleared when the loop takes
+	// the offsets to commit: a poll that starts with it set takes only what
+	// is buffered, and one that waits for records is cancelled when it is
+	// set, so that records made final while the loop polls are committed
+	// without waiting for more records.
+	decided bool
+	// batches counts the batches in flight (batch mode), over every
+	// partition: the loop waits for them before it commits for a rebalance
+	// or a shutdown, and before it returns.
+	batches sync.WaitGroup
 
 	lifecycle
 
@@ -104,14 +115,31 @@ type tp struct {
 
 // part is what the consumer holds of one assigned partition: the records
 // polled and not yet final, in offset order, and the offsets.
+//
+// In batch mode a partition's batches go through its pipeline, and the
+// decisions of a batch arrive on a goroutine of the pipeline, possibly
+// after the round that submitted it (while the loop polls again): backlog,
+// sent, next, held, due, redeliver and gen are then read and written
+// under the consumer's mu.
 type part struct {
 	tp
 	backlog   []*kgo.Record
 	due       time.Time // when a held head may run again
-	held      bool      // the partition's fetches are paused
+	held      bool      // the head waits until due (its fetches are paused)
+	paused    bool      // the partition's fetches are paused
 	redeliver int       // how many times the head was run before
 	next      kgo.EpochOffset
 	committed int64
+
+	// Batch mode: the first sent records of backlog are in batches
+	// submitted and not yet decided; flight holds, oldest first, a channel
+	// per batch submitted that is closed once its decisions were made (used
+	// by the partition's drain only); gen counts the holds, so that the
+	// decisions of a batch submitted before a hold are dropped.
+	pl     *consumer.Pipeline
+	sent   int
+	flight []chan struct{}
+	gen    uint64
 }
 
 // Stats counts what a consumer did.
@@ -262,6 +290,15 @@ func (c *Consumer) Close() error {
 // allows the rebalance, so that a rebalance never interleaves with
 // processing or a commit. Every return waits for the commit in flight and
 // allows the rebalance, so that leaving the group (Close) can proceed.
+//
+// In batch mode a round may end with batches still in flight (their
+// completions overlap the next poll and the next round's claims): their
+// records become final when their decisions arrive, and are committed by
+// the next commit after that; a poll is cut short when decisions arrive
+// while it waits for records (see Consumer.decided). Before it commits
+// for a rebalance or a shutdown, and before it returns, the loop waits
+// for every batch in flight, so that the rebalance callbacks (which
+// commit what is final and drop the rest) and Close find none.
 func (c *Consumer) loop(ctx context.Context) error {
 	var inflight chan struct{} // closed when the commit in flight is done; nil if none
 	settle := func() {
@@ -271,6 +308,7 @@ func (c *Consumer) loop(ctx context.Context) error {
 		}
 	}
 	defer func() {
+		c.batches.Wait()
 		settle()
 		c.cl.AllowRebalance()
 	}()
@@ -290,9 +328,15 @@ func (c *Consumer) loop(ctx context.Context) error {
 			pctx, cancel = context.WithTimeout(ctx, max(d, 0))
 		}
 		c.pollMu.Lock()
-		c.pollCancel = cancel
+		if c.decided {
+			// Decisions arrived since the offsets were taken: take what is
+			// buffered and commit them, rather than wait for records.
+			pctx = nil
+		} else {
+			c.pollCancel = cancel
+		}
 		if c.rebalance.Load() {
-			cancel() // a rebalance waits: take what is buffered and let it in
+			cancel() // a rebalance waits: let it in
 		}
 		c.pollMu.Unlock()
 		fs := c.cl.PollRecords(pctx, c.cfg.maxPoll)
@@ -310,28 +354,52 @@ func (c *Consumer) loop(ctx context.Context) error {
 		})
 		work := c.take(fs)
 		c.round(ctx, rctx, work)
-		if c.cfg.crash != nil && c.cfg.crash(c.finalOffsets(work)) {
+		if c.cfg.crash != nil && c.cfg.crash(c.finalOffsets()) {
 			c.crashed.Store(true)
 			return errCrashed
 		}
 		settle()
 		if c.rebalance.Swap(false) || ctx.Err() != nil {
-			c.commit(ctx, work, false)
-			c.pauseResume(work)
+			c.batches.Wait()
+			c.takeDecided()
+			parts := c.allParts()
+			c.commit(ctx, parts, false)
+			c.pauseResume()
 			c.cl.AllowRebalance()
 			continue
 		}
-		// The offsets are taken now: the next round's drain moves pt.next.
-		offs := c.finalOffsets(work)
+		// The offsets are taken now: the next round's drain (and, in batch
+		// mode, the decisions of the batches in flight) move pt.next.
+		c.takeDecided()
+		parts, offs := c.allParts(), c.finalOffsets()
 		done := make(chan struct{})
 		inflight = done
 		go func() {
 			defer close(done)
-			c.commitOffsets(ctx, work, offs, false)
+			c.commitOffsets(ctx, parts, offs, false)
 		}()
-		c.pauseResume(work)
+		c.pauseResume()
 	}
 	return nil
+}
+
+// takeDecided clears decided before the loop takes the offsets to commit.
+func (c *Consumer) takeDecided() {
+	c.pollMu.Lock()
+	c.decided = false
+	c.pollMu.Unlock()
+}
+
+// noteDecided runs after a batch's decisions were applied: it sets
+// decided and ends a poll that waits for records, so that the loop
+// commits them.
+func (c *Consumer) noteDecided() {
+	c.pollMu.Lock()
+	defer c.pollMu.Unlock()
+	c.decided = true
+	if c.pollCancel != nil {
+		c.pollCancel()
+	}
 }
 
 // blocked runs, on a goroutine of its own, when a rebalance waits for the
@@ -383,11 +451,22 @@ func (c *Consumer) take(fs kgo.Fetches) []*part {
 	now := time.Now()
 	var work []*part
 	for _, pt := range c.parts {
-		if len(pt.backlog) > 0 && (!pt.held || !now.Before(pt.due)) {
+		if len(pt.backlog) > pt.sent && (!pt.held || !now.Before(pt.due)) {
 			work = append(work, pt)
 		}
 	}
 	return work
+}
+
+// allParts returns the partitions assigned.
+func (c *Consumer) allParts() []*part {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	parts := make([]*part, 0, len(c.parts))
+	for _, pt := range c.parts {
+		parts = append(parts, pt)
+	}
+	return parts
 }
 
 // round processes the partitions in work, at most the concurrency at once,
@@ -476,61 +555,69 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 }
 
 // drainBatches is drain in batch mode ([WithBatch]): it runs pt's backlog
-// in batches through a [consumer.Pipeline], so that a batch's completion
-// overlaps the claim and handlers of the next, and decides each record in
-// offset order once its batch's completion returned. A Retry holds the
-// partition at its record as in drain; the records after it stay in the
-// backlog (those of a later batch already run are found duplicate when
-// they run again). After a batch that is not clean (a handler failed, a
-// key was found in progress, a record could not be read) the next batch
-// waits for its decisions, so that a record to retry holds the partition
-// before any later batch runs, as in drain. A batch is built only once
-// the batch two before it was decided (the pipeline holds two): so only
+// in batches through the partition's [consumer.Pipeline], so that a
+// batch's completion overlaps the claim and handlers of the next, and
+// decides each record in offset order once its batch's completion
+// returned. It returns once every record of the backlog was submitted,
+// without waiting for the last batches' completions: those overlap the
+// next poll and the next round's claims, and their decisions (which make
+// records final, or hold the partition) arrive on the pipeline's
+// goroutine (see decideBatch).
+//
+// A Retry holds the partition at its record as in drain; the records
+// after it stay in the backlog (those of a later batch already run are
+// found duplicate when they run again). After a batch that is not clean
+// (a handler failed, a key was found in progress, a record could not be
+// read) the next batch waits for its decisions, so that a record to retry
+// holds the partition before any later batch runs, as in drain. A batch
+// is built only once the batch depth before it was decided (the pipeline
+// holds depth, 2 by default), in this round or an earlier one: so only
 // the batch right after one whose completion fails can have run.
 func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
 	depth := c.pipeDepth
 	if depth == 0 {
 		depth = 2
 	}
-	pl := c.p.NewPipeline(depth)
-	backlog := pt.backlog
-	var (
-		mu    sync.Mutex // the decisions arrive on the pipeline's goroutine
-		stop  = -1       // index in backlog of the record a Retry holds the partition at
-		stopD consumer.Decision
-		stopM *consumer.Message
-		next  = pt.next
-	)
-	held := func() bool {
-		mu.Lock()
-		defer mu.Unlock()
-		return stop >= 0
+	if pt.pl == nil {
+		pt.pl = c.p.NewPipeline(depth)
 	}
-	// decided[k] is closed once batch k's decisions were made. Batch k
-	// takes the pipeline slot of batch k-depth, which is freed only after
-	// its decisions: the hold is checked after they were made, or a batch
-	// built while they were pending would run after a Retry held the
-	// partition.
-	var decided []chan struct{}
-	off := 0
-	for off < len(backlog) && ctx.Err() == nil {
-		if k := len(decided); k >= depth {
-			<-decided[k-depth]
+	c.mu.Lock()
+	stale := pt.sent == 0 && len(pt.flight) > 0
+	// The partition runs again: a hold it had ended (its delay passed).
+	pt.held = false
+	gen := pt.gen
+	c.mu.Unlock()
+	if stale {
+		// What is in flight was submitted before a hold and its decisions
+		// are dropped: its records run again, after it.
+		pt.pl.Wait()
+		pt.flight = nil
+	}
+	for ctx.Err() == nil {
+		if len(pt.flight) >= depth {
+			<-pt.flight[0]
+			pt.flight = pt.flight[1:]
 		}
-		if held() {
+		c.mu.Lock()
+		if pt.gen != gen || pt.sent >= len(pt.backlog) {
+			c.mu.Unlock() // held meanwhile, or everything submitted
 			break
 		}
-		n := min(c.cfg.batch, len(backlog)-off)
-		dec := make(chan struct{})
-		decided = append(decided, dec)
-		recs, base := backlog[off:off+n], off
+		n := min(c.cfg.batch, len(pt.backlog)-pt.sent)
+		recs := pt.backlog[pt.sent : pt.sent+n]
+		redeliver := 0
+		if pt.sent == 0 {
+			redeliver = pt.redeliver
+		}
+		pt.sent += n
+		c.mu.Unlock()
 		ms := make([]*consumer.Message, n)
 		errs := make([]error, n)
 		run, at := make([]*consumer.Message, 0, n), make([]int, 0, n)
 		for i, r := range recs {
 			delivery := 1
-			if base+i == 0 {
-				delivery += pt.redeliver
+			if i == 0 {
+				delivery += redeliver
 			}
 			m, err := newMessage(r, delivery)
 			ms[i] = m
@@ -540,79 +627,111 @@ func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
 			}
 			run, at = append(run, m), append(at, i)
 		}
-		clean := pl.Submit(ctx, run, func(rds []consumer.Decision) {
+		dec := make(chan struct{})
+		pt.flight = append(pt.flight, dec)
+		c.batches.Add(1)
+		clean := pt.pl.Submit(ctx, run, func(rds []consumer.Decision) {
+			defer c.batches.Done()
 			defer close(dec)
 			ds := make([]consumer.Decision, n)
 			for j, d := range rds {
 				ds[at[j]] = d
 			}
-			mu.Lock()
-			defer mu.Unlock()
-			if stop >= 0 {
-				return // held at an earlier record: these stay in the backlog
-			}
-			for i, r := range recs {
-				d := ds[i]
-				if errs[i] != nil {
-					c.st.envelope.Add(1)
-					d = c.p.Quarantine(ctx, ms[i], consumer.ClassPermanent, errs[i])
-				}
-				if d.Action == consumer.Retry {
-					stop, stopD, stopM = base+i, d, ms[i]
-					return
-				}
-				c.st.final.Add(1)
-				if d.Duplicate {
-					c.st.duplicates.Add(1)
-				}
-				if d.Action == consumer.DeadLettered {
-					c.st.deadLettered.Add(1)
-				}
-				next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
-			}
+			c.decideBatch(ctx, pt, gen, recs, ms, errs, ds)
 		})
-		off += n
 		if !clean || len(run) < n {
-			pl.Wait()
+			pt.pl.Wait()
+			pt.flight = pt.flight[:0]
 		}
 	}
-	pl.Wait()
-	pt.next = next
-	if stop < 0 {
-		pt.backlog = backlog[off:]
-		if off > 0 {
-			pt.redeliver = 0
+}
+
+// decideBatch makes the decisions of a batch of pt submitted at hold
+// count gen: recs are its records (the first of pt.backlog, unless a hold
+// came since), ms their messages, errs the envelope errors of those that
+// could not be read (quarantined now, in their turn), ds the processor's
+// decisions. The records become final in order up to the first Retry,
+// which holds the partition at its record. It runs on the pipeline's
+// goroutine, the batches of a partition one at a time in their order.
+func (c *Consumer) decideBatch(ctx context.Context, pt *part, gen uint64, recs []*kgo.Record, ms []*consumer.Message, errs []error, ds []consumer.Decision) {
+	c.mu.Lock()
+	dropped := pt.gen != gen
+	c.mu.Unlock()
+	if dropped {
+		return // held at an earlier record: these stay in the backlog
+	}
+	// Only this partition's decisions change pt.gen, and they run one at
+	// a time: the batch is still current without the lock, which the
+	// quarantine's I/O must not hold.
+	stop := len(recs)
+	var final, duplicates, deadLettered uint64
+	for i := range recs {
+		d := ds[i]
+		if errs[i] != nil {
+			c.st.envelope.Add(1)
+			d = c.p.Quarantine(ctx, ms[i], consumer.ClassPermanent, errs[i])
 		}
+		if d.Action == consumer.Retry {
+			stop = i
+			ds[i] = d
+			break
+		}
+		final++
+		if d.Duplicate {
+			duplicates++
+		}
+		if d.Action == consumer.DeadLettered {
+			deadLettered++
+		}
+	}
+	c.st.final.Add(final)
+	if duplicates > 0 {
+		c.st.duplicates.Add(duplicates)
+	}
+	if deadLettered > 0 {
+		c.st.deadLettered.Add(deadLettered)
+	}
+	defer c.noteDecided()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if stop > 0 {
+		r := recs[stop-1]
+		pt.next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
+		pt.redeliver = 0
+	}
+	pt.backlog = pt.backlog[stop:]
+	if stop == len(recs) {
+		pt.sent -= stop
 		if len(pt.backlog) == 0 {
 			pt.backlog = nil
-			pt.held = false
 		}
 		return
 	}
-	pt.backlog = backlog[stop:]
+	// The partition holds at recs[stop]: the records after it, submitted
+	// or not, stay in the backlog and run again once the delay ended.
+	pt.sent = 0
+	pt.gen++
 	if ctx.Err() != nil {
 		return // shutting down: the record stays unfinished
 	}
-	if stop > 0 {
-		pt.redeliver = 0
-	}
+	d, m := ds[stop], ms[stop]
 	pt.redeliver++
 	pt.held = true
-	pt.due = time.Now().Add(min(max(stopD.Delay, 0), c.cfg.maxHold))
+	pt.due = time.Now().Add(min(max(d.Delay, 0), c.cfg.maxHold))
 	c.st.held.Add(1)
 	c.cfg.logger.Debug("dedupkafka: holding partition", slog.String("topic", pt.topic),
-		slog.Int("partition", int(pt.partition)), slog.Int64("offset", backlog[stop].Offset),
-		slog.String("message_id", stopM.ID), slog.Duration("delay", stopD.Delay), slog.Any("err", stopD.Err))
+		slog.Int("partition", int(pt.partition)), slog.Int64("offset", recs[stop].Offset),
+		slog.String("message_id", m.ID), slog.Duration("delay", d.Delay), slog.Any("err", d.Err))
 }
 
-// finalOffsets returns the offsets to commit for work: one past the last
-// final record of each partition, where it moved.
-func (c *Consumer) finalOffsets(work []*part) map[string]map[int32]kgo.EpochOffset {
+// finalOffsets returns the offsets to commit: one past the last final
+// record of each assigned partition, where it moved.
+func (c *Consumer) finalOffsets() map[string]map[int32]kgo.EpochOffset {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	out := map[string]map[int32]kgo.EpochOffset{}
-	for _, pt := range work {
-		if pt.next.Offset > pt.committed && c.parts[pt.tp] == pt {
+	for _, pt := range c.parts {
+		if pt.next.Offset > pt.committed {
 			if out[pt.topic] == nil {
 				out[pt.topic] = map[int32]kgo.EpochOffset{}
 			}
@@ -625,19 +744,20 @@ func (c *Consumer) finalOffsets(work []*part) map[string]map[int32]kgo.EpochOffs
 // commit commits the final offsets of parts synchronously, on a context
 // detached from ctx with its own timeout, so a shutdown still commits.
 func (c *Consumer) commit(ctx context.Context, parts []*part, locked bool) {
-	var offs map[string]map[int32]kgo.EpochOffset
-	if locked {
-		offs = map[string]map[int32]kgo.EpochOffset{}
-		for _, pt := range parts {
-			if pt.next.Offset > pt.committed {
-				if offs[pt.topic] == nil {
-					offs[pt.topic] = map[int32]kgo.EpochOffset{}
-				}
-				offs[pt.topic][pt.partition] = pt.next
+	if !locked {
+		c.mu.Lock()
+	}
+	offs := map[string]map[int32]kgo.EpochOffset{}
+	for _, pt := range parts {
+		if pt.next.Offset > pt.committed && c.parts[pt.tp] == pt {
+			if offs[pt.topic] == nil {
+				offs[pt.topic] = map[int32]kgo.EpochOffset{}
 			}
+			offs[pt.topic][pt.partition] = pt.next
 		}
-	} else {
-		offs = c.finalOffsets(parts)
+	}
+	if !locked {
+		c.mu.Unlock()
 	}
 	c.commitOffsets(ctx, parts, offs, locked)
 }
@@ -682,19 +802,20 @@ func (c *Consumer) commitOffsets(ctx context.Context, parts []*part, offs map[st
 
 // pauseResume pauses the fetches of held partitions, so no record after a
 // held one is polled, and resumes those no longer held.
-func (c *Consumer) pauseResume(work []*part) {
+func (c *Consumer) pauseResume() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	pause, resume := map[string][]int32{}, map[string][]int32{}
-	for _, pt := range work {
-		if c.parts[pt.tp] != pt {
+	for _, pt := range c.parts {
+		switch {
+		case pt.held && !pt.paused:
+			pause[pt.topic] = append(pause[pt.topic], pt.partition)
+		case !pt.held && pt.paused:
+			resume[pt.topic] = append(resume[pt.topic], pt.partition)
+		default:
 			continue
 		}
-		if pt.held {
-			pause[pt.topic] = append(pause[pt.topic], pt.partition)
-		} else {
-			resume[pt.topic] = append(resume[pt.topic], pt.partition)
-		}
+		pt.paused = pt.held
 	}
 	if len(pause) > 0 {
 		c.cl.PauseFetchPartitions(pause)

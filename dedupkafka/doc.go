@@ -31,7 +31,11 @@
 //     after each poll's records were processed, on a context detached from
 //     Run's. The commit runs while the next poll's records are processed
 //     (its round trip overlaps the work; the next commit waits for it), so
-//     after a crash up to two polls' records come again, as duplicates.
+//     after a crash up to two polls' records come again, as duplicates. In
+//     batch mode ([WithBatch]) a partition's last batch completions of a
+//     poll overlap the next poll and its first claims: their records are
+//     final once the completion returned, and committed by the next commit
+//     after that (a poll waiting for records is cut short to make it).
 //   - Retry: Kafka has no per-record negative acknowledgement. A Retry
 //     decision holds its partition: its fetches are paused, the record
 //     and those after it wait in memory for the processor's delay (capped
@@ -41,8 +45,8 @@
 //     rebalance waits until the poll's records are processed and their
 //     offsets committed: it never interleaves with processing or a commit
 //     (kgo.OnPartitionsCallbackBlocked tells the consumer that one waits;
-//     it then waits for the commit in flight, commits synchronously and
-//     lets the rebalance in).
+//     it then waits for the commit and the batch completions in flight,
+//     commits synchronously and lets the rebalance in).
 //     On revocation the consumer commits what is final and drops the
 //     partition's unfinished records (the new owner reads them again from
 //     the committed offset and dedup absorbs any repeat). On loss

@@ -97,10 +97,14 @@ func WithMaxPollRecords(n int) ConsumerOption {
 // A partition's batches go through a [consumer.Pipeline]: a batch's
 // completion overlaps the claim and handlers of the next, and the records
 // of a batch become final (committable) only once its completion
-// returned. After a batch whose handlers did not all succeed the next
-// one waits for its decisions; only a completion that fails after clean
-// handlers can find the next batch already run (its records then stay
-// behind the held one and are duplicates when they run again).
+// returned. The pipeline carries over from one poll to the next: the
+// completion of a partition's last batch of a poll overlaps the next poll
+// and the claim of the partition's next batch, and its records are
+// committed by the first commit after it returned (a rebalance or Close
+// waits for it). After a batch whose handlers did not all succeed the
+// next one waits for its decisions; only a completion that fails after
+// clean handlers can find the next batch already run (its records then
+// stay behind the held one and are duplicates when they run again).
 func WithBatch(n int) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.batch = n })
 }

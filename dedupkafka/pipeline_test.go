@@ -3,6 +3,7 @@ package dedupkafka
 import (
 	"context"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,7 +12,9 @@ import (
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/internal/redistest"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
 // newHeldStore holds the completion of the first batch (the one from m0).
@@ -304,4 +307,219 @@ func TestCloseWaitsForRecordCompletionInFlight(t *testing.T) {
 	run(t, c2)
 	allCommitted(t, seeds, "g", "orders")
 	eff.check(t, n)
+}
+
+// produceTo writes n records with IDs m<from>..m<from+n-1> (key "k<i>")
+// to partition part of topic.
+func produceTo(t *testing.T, seeds []string, topic string, part int32, from, n int) {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	rs := make([]*kgo.Record, n)
+	for i := range n {
+		id := "m" + strconv.Itoa(from+i)
+		rs[i] = &kgo.Record{Topic: topic, Partition: part, Key: []byte("k" + strconv.Itoa(from+i)), Value: []byte(id),
+			Headers: []kgo.RecordHeader{{Key: HeaderMsgID, Value: []byte(id)}}}
+	}
+	if err := cl.ProduceSync(context.Background(), rs...).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// commitWatch checks every offset commit the cluster receives (the
+// loop's, and the revocation's on a rebalance) against the records whose
+// decision was final when it arrived: an offset committed past a record
+// not final is a violation.
+type commitWatch struct {
+	mu         sync.Mutex
+	final      map[string]bool // "partition/offset" decided for good (one topic; a request may name it by ID)
+	commits    int
+	violations []string
+}
+
+func watchCommits(c *kfake.Cluster) *commitWatch {
+	w := &commitWatch{final: map[string]bool{}}
+	c.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		for _, tp := range req.(*kmsg.OffsetCommitRequest).Topics {
+			for _, p := range tp.Partitions {
+				w.commits++
+				for off := int64(0); off < p.Offset; off++ {
+					if k := strconv.Itoa(int(p.Partition)) + "/" + strconv.FormatInt(off, 10); !w.final[k] {
+						w.violations = append(w.violations, "offset "+strconv.FormatInt(p.Offset, 10)+" committed past "+k)
+						break
+					}
+				}
+			}
+		}
+		return nil, nil, false // observe only
+	})
+	return w
+}
+
+// observer marks each record whose decision is final.
+func (w *commitWatch) observer() consumer.Option {
+	return consumer.WithObserver(func(m *consumer.Message, d consumer.Decision) {
+		if d.Action != consumer.Retry {
+			w.mu.Lock()
+			src := m.Headers[HeaderKafkaSource] // topic/partition/offset
+			w.final[src[strings.IndexByte(src, '/')+1:]] = true
+			w.mu.Unlock()
+		}
+	})
+}
+
+func (w *commitWatch) check(t *testing.T) {
+	t.Helper()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.commits == 0 {
+		t.Error("no offset commit seen")
+	}
+	for _, v := range w.violations {
+		t.Error(v)
+	}
+}
+
+// TestBatchCompletionInFlightAcrossPolls: in batch mode the last batch of
+// a poll leaves its completion in flight while the loop polls again and
+// the partition's next batch (from the next poll) is claimed and run
+// under it (before, the round waited for it, so the next poll's batch was
+// claimed only after it). Nothing of the partition is final or committed
+// while it is held; the completion then finds one record's lease lost
+// (its record deleted meanwhile): no offset is ever committed past that
+// record before it ran again (every commit the cluster receives is
+// checked), and every record ends applied and committed (the lost one
+// twice: its record was gone).
+func TestBatchCompletionInFlightAcrossPolls(t *testing.T) {
+	kc, seeds := cluster(t, 1, "orders")
+	const n = 300
+	produceTo(t, seeds, "orders", 0, 0, n)
+	watch := watchCommits(kc)
+	eff := newEffects()
+	store := newHeldStore(t)
+	p, err := consumer.New("kafka-pipe-polls", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.apply(m)
+		return nil, nil
+	}, consumer.WithLogger(quiet), consumer.WithBackoff(time.Millisecond, 20*time.Millisecond),
+		consumer.WithLease(5*time.Second), consumer.WithDeadLetter(&consumer.MemoryDLQ{}), watch.observer())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A poll of at most 100 records is one batch: the held batch is the
+	// last (the only) one of its poll.
+	c := newConsumer(t, seeds, "g", "orders", p, WithBatch(100), WithMaxPollRecords(100))
+	stop := run(t, c)
+	t.Cleanup(store.Open)
+
+	items := <-store.Entered
+	if items[0].Claim.Key.ID != "m0" {
+		t.Fatalf("held completion from %s, want m0", items[0].Claim.Key.ID)
+	}
+	waitFor(t, "the next poll's batch claimed under the held completion", func() bool { return store.Claims.Load() >= 2 })
+	if s := c.Stats(); s.Final != 0 || s.Commits != 0 || s.Records <= uint64(len(items)) {
+		t.Fatalf("stats %+v while the first completion is held: want a second poll, nothing final or committed", s)
+	}
+	if got := committed(t, seeds, "g", "orders"); len(got) != 0 {
+		t.Fatalf("committed %v while the first completion is held", got)
+	}
+	lost := items[len(items)/2].Claim.Key
+	rc := store.Client()
+	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(lost)).Build()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	store.Open()
+	allCommitted(t, seeds, "g", "orders")
+	stop()
+
+	watch.check(t)
+	eff.mu.Lock()
+	for i := range n {
+		id := "m" + strconv.Itoa(i)
+		want := 1
+		if id == lost.ID {
+			want = 2
+		}
+		if eff.n[id] != want {
+			t.Errorf("%s took effect %d times, want %d", id, eff.n[id], want)
+		}
+	}
+	eff.mu.Unlock()
+	if s := c.Stats(); s.Held == 0 {
+		t.Errorf("stats %+v: want the partition held at %s", s, lost.ID)
+	}
+}
+
+// TestBatchRebalanceWhileCompletionInFlight: a rebalance that comes while
+// a partition's last batch completion is in flight (the loop polling for
+// more) waits for it, and commits nothing that is not final: with that
+// completion held, a second consumer joins the group; nothing of the
+// held partition is committed while it is held; the completion then
+// finds one record's lease lost, so the partition's first records are
+// final and the rest are not. Every commit the cluster receives (the
+// loop's and the revocation's) stays at or below the lost record until
+// it ran again, and every record ends applied (the lost one twice) and
+// committed by the two consumers.
+func TestBatchRebalanceWhileCompletionInFlight(t *testing.T) {
+	kc, seeds := cluster(t, 2, "orders")
+	const per = 100
+	produceTo(t, seeds, "orders", 0, 0, per)
+	produceTo(t, seeds, "orders", 1, per, per)
+	watch := watchCommits(kc)
+	eff := newEffects()
+	store := newHeldStore(t)
+	p, err := consumer.New("kafka-pipe-rebalance", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		eff.apply(m)
+		return nil, nil
+	}, consumer.WithLogger(quiet), consumer.WithBackoff(time.Millisecond, 20*time.Millisecond),
+		consumer.WithLease(5*time.Second), consumer.WithDeadLetter(&consumer.MemoryDLQ{}), watch.observer())
+	if err != nil {
+		t.Fatal(err)
+	}
+	c1 := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
+	stop1 := run(t, c1)
+	t.Cleanup(store.Open)
+
+	items := <-store.Entered
+	if items[0].Claim.Key.ID != "m0" {
+		t.Fatalf("held completion from %s, want m0", items[0].Claim.Key.ID)
+	}
+	waitFor(t, "partition 1 committed", func() bool { return committed(t, seeds, "g", "orders")[1] == per })
+	c2 := newConsumer(t, seeds, "g", "orders", p, WithBatch(100))
+	stop2 := run(t, c2)
+	time.Sleep(300 * time.Millisecond) // the rebalance waits for the held completion
+	if got, ok := committed(t, seeds, "g", "orders")[0]; ok {
+		t.Fatalf("partition 0 committed at %d while its completion is held", got)
+	}
+	if s := c2.Stats(); s.Records != 0 {
+		t.Fatalf("the second consumer got records while the first one's completion was held: %+v", s)
+	}
+	lost := items[len(items)/2].Claim.Key
+	rc := store.Client()
+	if err := rc.Do(context.Background(), rc.B().Del().Key(store.RedisKey(lost)).Build()).Error(); err != nil {
+		t.Fatal(err)
+	}
+	store.Open()
+	waitFor(t, "the rebalance", func() bool { s := c1.Stats(); return s.Revoked > 0 })
+	allCommitted(t, seeds, "g", "orders")
+	stop1()
+	stop2()
+
+	watch.check(t)
+	eff.mu.Lock()
+	for i := range 2 * per {
+		id := "m" + strconv.Itoa(i)
+		want := 1
+		if id == lost.ID {
+			want = 2
+		}
+		if eff.n[id] != want {
+			t.Errorf("%s took effect %d times, want %d", id, eff.n[id], want)
+		}
+	}
+	eff.mu.Unlock()
 }
