@@ -112,7 +112,14 @@ func TestCrashBeforeStoreCommit(t *testing.T) {
 // revoked: no record lost, none applied twice, and no commit ever past a
 // record whose decision was not final (checked at every commit of both
 // consumers).
-func TestRebalanceMidRun(t *testing.T) {
+func TestRebalanceMidRun(t *testing.T) { rebalanceMidRun(t) }
+
+// TestRebalanceMidRunBatch is TestRebalanceMidRun in batch mode, where a
+// partition's last batch completion of a poll is in flight while the
+// loop polls again: a rebalance waits for it.
+func TestRebalanceMidRunBatch(t *testing.T) { rebalanceMidRun(t, WithBatch(20)) }
+
+func rebalanceMidRun(t *testing.T, opts ...ConsumerOption) {
 	_, seeds := cluster(t, 6, "orders")
 	const n = 3000
 	produce(t, seeds, "orders", n, 64, nil)
@@ -158,11 +165,12 @@ func TestRebalanceMidRun(t *testing.T) {
 		}
 		return false // observe only
 	}
-	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, flaky, observe), WithMaxPollRecords(50))
+	opts = append(opts, WithMaxPollRecords(50))
+	c1 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, flaky, observe), opts...)
 	c1.cfg.crash = check
 	stop1 := run(t, c1)
 	waitFor(t, "first records", func() bool { return seen.Load() > 200 })
-	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, flaky, observe), WithMaxPollRecords(50))
+	c2 := newConsumer(t, seeds, "g", "orders", processor(t, store, eff, flaky, observe), opts...)
 	c2.cfg.crash = check
 	stop2 := run(t, c2)
 	waitFor(t, "the second consumer to get partitions", func() bool { return c2.Stats().Records > 0 })
