@@ -247,6 +247,15 @@ func dropTopic(b *testing.B, seeds []string, topic string) {
 // slices are reused as the consumer's are. It returns records/s from the
 // first records to the last commit.
 func floorConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, claim, complete func(ctx context.Context, ids []string) error) float64 {
+	return floorConsumeWith(b, seeds, groupOpts, n, batch, func() (claim, complete func(ctx context.Context, ids []string) error) {
+		return claim, complete
+	})
+}
+
+// floorConsumeWith is floorConsume where each partition's goroutine takes
+// its own claim and complete from worker, so that they may keep state
+// between the two calls of a chunk (mem-direct keeps the claim).
+func floorConsumeWith(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, worker func() (claim, complete func(ctx context.Context, ids []string) error)) float64 {
 	topic := benchTopic(b, seeds, n)
 	defer dropTopic(b, seeds, topic)
 	cl, err := kgo.NewClient(append(slices.Clone(groupOpts), kgo.SeedBrokers(seeds...), kgo.ConsumerGroup("g-"+topic),
@@ -274,6 +283,7 @@ func floorConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch in
 			sem <- struct{}{}
 			wg.Go(func() {
 				defer func() { <-sem }()
+				claim, complete := worker()
 				ms, ids := make([]*consumer.Message, batch), make([]string, batch)
 				for len(rs) > 0 {
 					k := min(batch, len(rs))
@@ -474,8 +484,12 @@ func oursConsumeDepth(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batc
 // processor):
 //
 //   - mem: per record (Process) on memstore, against mem-floor (no store
-//     writes: the goal's "bare consumer", on an equal footing);
-//     mem-batch100 the same in WithBatch(100) (ProcessBatch).
+//     writes: the goal's "bare consumer", on an equal footing) and
+//     against mem-direct: mem-floor plus the cheapest correct dedup a
+//     record, memstore Claim and Complete called directly around the
+//     handler with the processor's key, fingerprint, lease and retention
+//     (directMem): mem's construction floor. mem-batch100 is mem in
+//     WithBatch(100) (ProcessBatch).
 //   - redis: WithBatch(100) on redisstore (one pipelined SET NX GET PX
 //     claim round trip and one completion script round trip per batch of a
 //     partition), against redis-floor: per chunk of 100 a pipelined
@@ -615,9 +629,20 @@ func BenchmarkFloors(b *testing.B) {
 		{"mem-floor", func(b *testing.B) float64 {
 			return floorConsume(b, seeds, groupOpts, memBenchRecords, 1, nil, nil)
 		}},
-		{"mem", func(b *testing.B) float64 { return oursConsume(b, seeds, groupOpts, memBenchRecords, 1, mem(b)) }},
+		{"mem-direct", func(b *testing.B) float64 {
+			d := newDirectMem(b, "bench-direct")
+			defer d.s.Close()
+			return floorConsumeWith(b, seeds, groupOpts, memBenchRecords, 1, d.worker)
+		}},
+		{"mem", func(b *testing.B) float64 {
+			s := mem(b)
+			defer s.Close()
+			return oursConsume(b, seeds, groupOpts, memBenchRecords, 1, s)
+		}},
 		{"mem-batch100", func(b *testing.B) float64 {
-			return oursConsume(b, seeds, groupOpts, memBenchRecords, batch, mem(b))
+			s := mem(b)
+			defer s.Close()
+			return oursConsume(b, seeds, groupOpts, memBenchRecords, batch, s)
 		}},
 		{"redis-floor", func(b *testing.B) float64 {
 			defer redisClean(b, "kfloor-"+suffix+":")
@@ -644,7 +669,7 @@ func BenchmarkFloors(b *testing.B) {
 			return oursConsume(b, seeds, groupOpts, storeBenchRecords, batch, ps)
 		}},
 	}
-	benchRotate(b, cases, map[string]string{"mem": "mem-floor", "mem-batch100": "mem-floor", "redis": "redis-floor,redis-floor-overlap", "redis-depth1": "redis-floor", "redis-floor-overlap": "redis-floor", "pg": "pg-floor"})
+	benchRotate(b, cases, map[string]string{"mem-direct": "mem-floor", "mem": "mem-floor,mem-direct", "mem-batch100": "mem-floor", "redis": "redis-floor,redis-floor-overlap", "redis-depth1": "redis-floor", "redis-floor-overlap": "redis-floor", "pg": "pg-floor"})
 }
 
 // relayBenchRows is the outbox rows per case of BenchmarkRelay.

@@ -4,9 +4,12 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/memstore"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -17,11 +20,17 @@ import (
 // message-ID header, a 128-byte value) run through Consumer.round on
 // memstore (mem: per record; mem-batch100: WithBatch(100)) against the
 // floor's work on the same records (each read into the envelope and
-// passed to the no-op handler, four partitions at once). The cases rotate
-// in each round (-benchtime Nx = N rounds of memBenchRecords records a
-// case); the metrics are median records/s and the median ratio to the
-// floor in the same round. It isolates what BenchmarkFloors' processing
-// phase costs from the poll and commit, which no dedup change touches.
+// passed to the no-op handler, four partitions at once) and against
+// direct: the floor plus the cheapest correct dedup a record, memstore
+// Claim and Complete called directly with the processor's key (scope and
+// message ID), fingerprint (none), lease and retention, no processor: the
+// construction floor of mem. The cases rotate in each round (-benchtime
+// Nx = N rounds of memBenchRecords records a case); the metrics are median
+// records/s, the median ratio to the floor in the same round, and each
+// case's median CPU time a record (user + system of the whole process,
+// getrusage, so the GC's work is counted). It isolates what
+// BenchmarkFloors' processing phase costs from the poll and commit, which
+// no dedup change touches.
 func BenchmarkDrain(b *testing.B) {
 	const parts, perRound = 4, 500
 	n := memBenchRecords
@@ -46,6 +55,16 @@ func BenchmarkDrain(b *testing.B) {
 		}
 	}
 	runs := 0
+	// cpu[case] is the CPU time a record of each run of the case.
+	cpu := map[string][]float64{}
+	timed := func(name string, f func(b *testing.B) float64) benchCase {
+		return benchCase{name, func(b *testing.B) float64 {
+			before := cpuTime(b)
+			rate := f(b)
+			cpu[name] = append(cpu[name], float64(cpuTime(b)-before)/float64(n))
+			return rate
+		}}
+	}
 	ours := func(batch int) func(b *testing.B) float64 {
 		return func(b *testing.B) float64 {
 			runs++
@@ -84,11 +103,19 @@ func BenchmarkDrain(b *testing.B) {
 			return float64(n) / took.Seconds()
 		}
 	}
-	cases := []benchCase{
-		{"floor", func(b *testing.B) float64 {
+	// floor is the floor's loop; with direct, each record is also claimed
+	// and completed in memstore directly.
+	floor := func(direct bool) func(b *testing.B) float64 {
+		return func(b *testing.B) float64 {
 			runs++
 			fill(fmt.Sprint("r", runs))
+			var d *directMem
+			if direct {
+				d = newDirectMem(b, "bench-drain")
+				defer d.s.Close()
+			}
 			ctx := context.Background()
+			var failed atomic.Value
 			start := time.Now()
 			rounds(func(byPart [][]*kgo.Record) {
 				var wg sync.WaitGroup
@@ -96,16 +123,106 @@ func BenchmarkDrain(b *testing.B) {
 					wg.Go(func() {
 						for _, r := range rs {
 							m, _ := newMessage(r, 1)
-							_, _ = benchHandler(ctx, m, consumer.Delivery{})
+							if d == nil {
+								_, _ = benchHandler(ctx, m, consumer.Delivery{})
+								continue
+							}
+							if err := d.run(ctx, m); err != nil {
+								failed.Store(err)
+								return
+							}
 						}
 					})
 				}
 				wg.Wait()
 			})
-			return float64(n) / time.Since(start).Seconds()
-		}},
-		{"mem", ours(1)},
-		{"mem-batch100", ours(100)},
+			took := time.Since(start)
+			if err, _ := failed.Load().(error); err != nil {
+				b.Fatal(err)
+			}
+			return float64(n) / took.Seconds()
+		}
 	}
-	benchRotate(b, cases, map[string]string{"mem": "floor", "mem-batch100": "floor"})
+	cases := []benchCase{
+		timed("floor", floor(false)),
+		timed("direct", floor(true)),
+		timed("mem", ours(1)),
+		timed("mem-batch100", ours(100)),
+	}
+	benchRotate(b, cases, map[string]string{"direct": "floor", "mem": "floor,direct", "mem-batch100": "floor"})
+	for _, c := range cases {
+		if len(cpu[c.name]) > 0 {
+			b.ReportMetric(benchMedian(cpu[c.name]), c.name+"-cpu-ns/rec")
+		}
+	}
+}
+
+// cpuTime is the process's CPU time so far (user and system), in ns.
+func cpuTime(b *testing.B) int64 {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return ru.Utime.Nano() + ru.Stime.Nano()
+}
+
+// directMem is the cheapest correct dedup of a record on memstore, the
+// construction floor of the mem cases: Claim with the key the processor
+// derives (its scope, the message ID), no fingerprint and the processor's
+// default lease, the no-op handler, then Complete with the default
+// retention. Every key is new: anything but Acquired is an error.
+type directMem struct {
+	s     *memstore.Store
+	scope string
+}
+
+// newDirectMem returns a directMem on a new memstore; the caller closes it.
+func newDirectMem(b *testing.B, scope string) *directMem {
+	s, err := memstore.New()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return &directMem{s: s, scope: scope}
+}
+
+// The consumer package's defaults, which the processors of the mem cases
+// run with.
+const (
+	directLease     = 30 * time.Second
+	directRetention = 24 * time.Hour
+)
+
+func (d *directMem) run(ctx context.Context, m *consumer.Message) error {
+	c, err := d.s.Claim(ctx, dedup.Key{Scope: d.scope, ID: m.ID}, "", directLease)
+	if err != nil {
+		return err
+	}
+	if c.Outcome != dedup.Acquired {
+		return fmt.Errorf("direct floor: %s claimed %s, want acquired", m.ID, c.Outcome)
+	}
+	out, err := benchHandler(ctx, m, consumer.Delivery{Key: c.Key, Attempt: 1})
+	if err != nil {
+		return err
+	}
+	return d.s.Complete(ctx, c, out, directRetention)
+}
+
+// worker is run as floorConsumeWith's claim and complete, for chunks of
+// one record: the claim of the chunk's record is kept for its completion.
+func (d *directMem) worker() (claim, complete func(ctx context.Context, ids []string) error) {
+	var c dedup.Claim
+	claim = func(ctx context.Context, ids []string) error {
+		var err error
+		if c, err = d.s.Claim(ctx, dedup.Key{Scope: d.scope, ID: ids[0]}, "", directLease); err != nil {
+			return err
+		}
+		if c.Outcome != dedup.Acquired {
+			return fmt.Errorf("direct floor: %s claimed %s, want acquired", ids[0], c.Outcome)
+		}
+		return nil
+	}
+	complete = func(ctx context.Context, ids []string) error {
+		return d.s.Complete(ctx, c, nil, directRetention)
+	}
+	return claim, complete
 }
