@@ -58,18 +58,29 @@ func sourceOf(r *kgo.Record) string {
 	// allocation, the string, where concatenating the formatted numbers
 	// made three.
 	var buf [320]byte
-	b := append(buf[:0], r.Topic...)
+	return string(appendSource(buf[:0], r))
+}
+
+// appendSource appends sourceOf(r) to b.
+func appendSource(b []byte, r *kgo.Record) []byte {
+	b = append(b, r.Topic...)
 	b = append(b, '/')
 	b = strconv.AppendInt(b, int64(r.Partition), 10)
 	b = append(b, '/')
-	b = strconv.AppendInt(b, r.Offset, 10)
-	return string(b)
+	return strconv.AppendInt(b, r.Offset, 10)
 }
 
 // newMessage reads r into the broker-neutral envelope; delivery counts this
 // process's deliveries of the record (1 for the first). It always returns
 // a message filled as far as possible; the error reports an envelope the
 // consumer dead-letters.
+//
+// The named headers are picked out while the map is filled, not looked up
+// after. The source and the record key share one allocation. Each header
+// value keeps its own: a dedup store keeps the key's ID for the whole
+// retention (memstore keeps the caller's string), and an ID cut from a
+// shared string would keep all of it. For the same reason the source,
+// when it is the ID, is copied out.
 func newMessage(r *kgo.Record, delivery int) (*consumer.Message, error) {
 	m := &consumer.Message{
 		Subject:   r.Topic,
@@ -78,31 +89,50 @@ func newMessage(r *kgo.Record, delivery int) (*consumer.Message, error) {
 		Published: r.Timestamp,
 		Headers:   make(map[string]string, len(r.Headers)+2),
 	}
+	var version string
+	hasVersion := false
 	for _, h := range r.Headers {
-		if _, ok := m.Headers[h.Key]; !ok {
-			m.Headers[h.Key] = string(h.Value)
+		if _, ok := m.Headers[h.Key]; ok {
+			continue // the first value counts
+		}
+		v := string(h.Value)
+		m.Headers[h.Key] = v
+		switch h.Key {
+		case HeaderMsgID:
+			m.ID = v
+		case HeaderBusinessKey:
+			m.BusinessKey = v
+		case HeaderAggregate:
+			m.Aggregate = v
+		case HeaderVersion:
+			version, hasVersion = v, true
 		}
 	}
-	src := sourceOf(r)
+	// The source and the key, built in a stack buffer (a topic name is at
+	// most 249 bytes) when the key is short.
+	var buf [320]byte
+	b := appendSource(buf[:0], r)
+	srcEnd := len(b)
+	text := string(append(b, r.Key...))
+	src := text[:srcEnd]
 	m.Headers[HeaderKafkaSource] = src
-	var key string // converted once for both places it goes
 	if r.Key != nil {
-		key = string(r.Key)
+		key := text[srcEnd:]
 		m.Headers[HeaderKafkaKey] = key
+		if m.Aggregate == "" {
+			m.Aggregate = key
+		}
 	}
-	m.ID = m.Headers[HeaderMsgID]
 	if m.ID == "" {
 		m.ID = src
+		if r.Key != nil {
+			m.ID = strings.Clone(src) // the store keeps the ID: not the key with it
+		}
 	}
-	m.BusinessKey = m.Headers[HeaderBusinessKey]
-	m.Aggregate = m.Headers[HeaderAggregate]
-	if m.Aggregate == "" && r.Key != nil {
-		m.Aggregate = key
-	}
-	if v, ok := m.Headers[HeaderVersion]; ok {
-		n, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+	if hasVersion {
+		n, err := strconv.ParseUint(strings.TrimSpace(version), 10, 64)
 		if err != nil {
-			return m, &HeaderError{Header: HeaderVersion, Value: v, Err: errors.Unwrap(err)}
+			return m, &HeaderError{Header: HeaderVersion, Value: version, Err: errors.Unwrap(err)}
 		}
 		m.Version = n
 	}

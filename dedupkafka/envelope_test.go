@@ -3,6 +3,7 @@ package dedupkafka
 import (
 	"errors"
 	"testing"
+	"unsafe"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -30,6 +31,50 @@ func TestEnvelope(t *testing.T) {
 	var he *HeaderError
 	if _, err := newMessage(r, 1); !errors.As(err, &he) || he.Header != HeaderVersion {
 		t.Fatalf("bad version: %v", err)
+	}
+}
+
+// TestEnvelopeHeaders: the first value of a repeated header counts, for
+// the named ones too; the source is always the record's own; a record key
+// is the aggregate only without an aggregate header.
+func TestEnvelopeHeaders(t *testing.T) {
+	r := &kgo.Record{Topic: "t", Partition: 1, Offset: 5, Key: []byte("k"), Headers: []kgo.RecordHeader{
+		{Key: HeaderMsgID, Value: []byte("m1")}, {Key: HeaderMsgID, Value: []byte("m2")},
+		{Key: HeaderBusinessKey, Value: []byte("b1")}, {Key: HeaderBusinessKey, Value: []byte("b2")},
+		{Key: HeaderAggregate, Value: []byte("a1")}, {Key: HeaderAggregate, Value: []byte("a2")},
+		{Key: HeaderVersion, Value: []byte(" 4 ")}, {Key: HeaderVersion, Value: []byte("x")},
+		{Key: HeaderKafkaSource, Value: []byte("forged/0/0")}}}
+	m, err := newMessage(r, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.ID != "m1" || m.BusinessKey != "b1" || m.Aggregate != "a1" || m.Version != 4 || m.Delivery != 2 ||
+		m.Headers[HeaderKafkaSource] != "t/1/5" || m.Headers[HeaderKafkaKey] != "k" || m.Headers[HeaderMsgID] != "m1" {
+		t.Fatalf("message %+v", m)
+	}
+	// An empty message ID header: the source is the ID.
+	r.Headers = []kgo.RecordHeader{{Key: HeaderMsgID}, {Key: HeaderMsgID, Value: []byte("m2")}}
+	if m, _ = newMessage(r, 1); m.ID != "t/1/5" || m.Aggregate != "k" {
+		t.Fatalf("message %+v", m)
+	}
+}
+
+// TestEnvelopeIDOwnsItsBytes: a store keeps the ID's string for the
+// retention (memstore does not copy it), so an ID made from the source
+// must not share the allocation the source and the record key are cut
+// from, or every kept key would keep the record key too.
+func TestEnvelopeIDOwnsItsBytes(t *testing.T) {
+	r := &kgo.Record{Topic: "t", Partition: 1, Offset: 5, Key: make([]byte, 100)}
+	m, err := newMessage(r, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.ID != "t/1/5" {
+		t.Fatalf("ID %q", m.ID)
+	}
+	src, key := unsafe.StringData(m.Headers[HeaderKafkaSource]), unsafe.StringData(m.Headers[HeaderKafkaKey])
+	if id := unsafe.StringData(m.ID); id == src || id == key {
+		t.Fatal("the ID shares the bytes of the source and the record key")
 	}
 }
 
