@@ -252,7 +252,7 @@ func (b *batch) claim() {
 			continue
 		}
 		var done bool
-		if b.res[i], done, b.errs[i] = settled(*c); !done {
+		if b.res[i], done, b.errs[i] = settled(c); !done {
 			cs[len(b.idx)] = *c // cs is ours: keep the acquired claims at its front
 			b.idx = append(b.idx, i)
 		}
@@ -324,7 +324,7 @@ func (pb *PendingBatch) runHandlers(ext Extender) {
 			continue
 		}
 		fctx, cancel := r.finalContext(b.ctx)
-		b.res[i], b.errs[i] = finished(b.res[i], op, nil, herr, r.finish(fctx, *c, op, nil))
+		b.res[i], b.errs[i] = finished(b.res[i], op, nil, herr, r.finish(fctx, c, op, nil))
 		cancel()
 	}
 }
@@ -360,7 +360,7 @@ func (b *batch) run(i int, c Claim) (out []byte, herr error, p any, panicked boo
 			panicked = true
 		}
 	}()
-	out, herr = b.r.run(b.ctx, c, nil, func(ctx context.Context, c Claim) ([]byte, error) { return b.h(ctx, i, c) })
+	out, herr = b.r.run(b.ctx, &c, nil, func(ctx context.Context, c Claim) ([]byte, error) { return b.h(ctx, i, c) })
 	return out, herr, nil, false
 }
 
@@ -390,7 +390,7 @@ func (b *batch) wait(j int) {
 func (b *batch) abandon(c Claim) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(b.ctx), b.r.cfg.finalizeTimeout)
 	defer cancel()
-	_ = b.r.finish(fctx, c, "release", nil)
+	_ = b.r.finish(fctx, &c, "release", nil)
 }
 
 // heartbeat extends every waiting claim each beat until stop is closed.
@@ -469,8 +469,8 @@ func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error 
 	switch {
 	case IsTransient(err) && ctx.Err() == nil:
 		errs = make([]error, len(items))
-		for k, it := range items {
-			errs[k] = r.complete(ctx, it.Claim, it.Result)
+		for k := range items {
+			errs[k] = r.complete(ctx, &items[k].Claim, items[k].Result)
 		}
 	case err != nil:
 		errs = make([]error, len(items))
@@ -480,7 +480,7 @@ func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error 
 	default:
 		for k, e := range errs {
 			if IsTransient(e) {
-				errs[k] = r.complete(ctx, items[k].Claim, items[k].Result)
+				errs[k] = r.complete(ctx, &items[k].Claim, items[k].Result)
 			}
 		}
 	}
