@@ -505,23 +505,49 @@ func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, ret
 		}
 		return
 	}
-	keys := make([]string, len(items))
+	// A claim given twice (the same key and token) is sent once, with its
+	// first item's result, and its later items get the first one's
+	// answer: done again by the same token changes nothing, lost stays
+	// lost, an unknown outcome stays unknown. So the first result is the
+	// one stored whatever order the calls run in: a repeated key's calls
+	// are not ordered when the first is answered NOSCRIPT and resent after
+	// the second ran (its script was not cached, the other's was), nor
+	// under WithReplicaAck on a cluster, where each call goes on its own.
+	// The same key with other tokens may run in any order: a completion
+	// never changes a record's token, so only one token can match it.
+	keys := make([]string, 0, len(items))
+	sent := make([]int, 0, len(items)) // the item of each key in keys
+	type ref struct {
+		key string
+		tok dedup.Token
+	}
+	first := make(map[ref]int, len(items)) // claim -> its first item
+	var repeat []int                       // item, then its first, for each repeated claim
 	for i := range items {
-		keys[i] = s.RedisKey(items[i].Claim.Key)
+		k := s.RedisKey(items[i].Claim.Key)
+		r := ref{k, items[i].Claim.Token}
+		if f, ok := first[r]; ok {
+			repeat = append(repeat, i, f)
+			continue
+		}
+		first[r] = i
+		keys = append(keys, k)
+		sent = append(sent, i)
 	}
 	groups := s.groups(keys)
 	calls := make([]call, len(groups))
 	for g, idx := range groups {
 		if len(idx) == 1 {
-			it := &items[idx[0]]
+			it := &items[sent[idx[0]]]
 			calls[g] = call{s.completeOne, keys[idx[0] : idx[0]+1], []string{string(it.Claim.Token[:]), string(it.Result), ret}}
 			continue
 		}
 		ks, args := make([]string, len(idx)), make([]string, 1, 1+2*len(idx))
 		args[0] = ret
-		for j, i := range idx {
-			ks[j] = keys[i]
-			args = append(args, string(items[i].Claim.Token[:]), string(items[i].Result))
+		for j, k := range idx {
+			ks[j] = keys[k]
+			it := &items[sent[k]]
+			args = append(args, string(it.Claim.Token[:]), string(it.Result))
 		}
 		calls[g] = call{s.completeMany, ks, args}
 	}
@@ -535,7 +561,8 @@ func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, ret
 	for g, res := range results {
 		idx := groups[g]
 		done, err := completeReply(res, len(idx))
-		for j, i := range idx {
+		for j, k := range idx {
+			i := sent[k]
 			switch {
 			case err != nil:
 				errs[i] = s.fail("complete", err)
@@ -545,6 +572,9 @@ func (s *Store) completeItems(ctx context.Context, items []dedup.Completion, ret
 				errs[i] = s.fail("complete", ackErrs[g])
 			}
 		}
+	}
+	for r := 0; r < len(repeat); r += 2 {
+		errs[repeat[r]] = errs[repeat[r+1]]
 	}
 }
 
@@ -646,7 +676,10 @@ const maxScriptKeys = 128
 // call may take: keys of one slot on a cluster, any keys otherwise; each
 // group holds at most maxScriptKeys, and no key twice (completeManyScript
 // reads every key before it writes any, so a repeated key goes to a later
-// group, whose call runs after the first wrote it).
+// group). completeItems sends a claim only once, so a key repeated here
+// comes with another token, and its calls may run in any order (NOSCRIPT
+// resends and acked cluster calls do not keep it): a completion does not
+// change a record's token, so at most one of them can match.
 func (s *Store) groups(keys []string) [][]int {
 	var groups [][]int
 	open := make(map[uint16]int)            // slot -> its group with room

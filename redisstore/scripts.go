@@ -174,8 +174,9 @@ return {1, -a, lease}
 // completeManyScript completes several records of one slot in one call:
 // KEYS; ARGV[1] retention ms, then for KEYS[i] ARGV[2i] its token and
 // ARGV[2i+1] its result. No key may appear twice in one call (groups
-// starts another call for a repeated key; the calls of a pipeline run in
-// order, so the later one is decided on what the earlier wrote). Each
+// starts another call for a repeated key; completeItems sends a claim
+// once, so the calls of one key carry different tokens, which no order
+// of the calls can make both match). Each
 // key's token is compared at its fixed offset (a plain find that must
 // match at byte 2, which builds no substring): a missing record or another
 // token is lease lost, a record this token already completed is done
