@@ -81,7 +81,8 @@ func newCoalescer() *coalescer {
 // for its deadline rather than for a cancellation, so a flush on a server
 // that stopped answering ends when the client is closed (a store that owns
 // its client closes it first) or at the client's own read timeout
-// (ConnWriteTimeout, 10s by default).
+// (ConnWriteTimeout, 10s by default); one with WAIT (WithReplicaAck) at
+// WAIT's timeout plus that bound (doAcked).
 func (co *coalescer) close() {
 	co.mu.Lock()
 	co.closed = true

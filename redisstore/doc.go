@@ -66,8 +66,14 @@
 // detects a silent server on a busy connection with PINGs bounded by it,
 // plus at most one keep-alive interval; 10s by default: set it, with
 // Dialer.KeepAlive, to the longest a shutdown may wait for a silent
-// server); Close of a store from [Open], which closes the client. A call
-// ended that way returns a store error whose outcome is unknown. So a
+// server); Close of a store from [Open], which closes the client. A
+// completion with [WithReplicaAck] is the exception: its pipeline holds
+// WAIT, which rueidis sends on a dedicated connection with no
+// ConnWriteTimeout and which closing the client does not end, so it ends
+// at the caller's deadline or at WAIT's timeout plus ConnWriteTimeout
+// (plus 30s for a store from [New], which does not know its client's
+// options), whichever is first. A call ended that way returns a store
+// error whose outcome is unknown. So a
 // consumer that stops (its context cancelled) while a call waits for a
 // live server gets that call's real outcome, a claim it can complete or
 // release, instead of a key left in progress until its lease ends; on a

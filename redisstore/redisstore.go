@@ -43,6 +43,10 @@ type Store struct {
 
 	ackReplicas int64 // WAIT for this many replicas after a completion (0: no WAIT)
 	ackTimeout  int64 // ms
+	// ackBound: how long a pipeline with WAIT may wait for its reply
+	// beyond WAIT's own timeout (see doAcked): the client's
+	// ConnWriteTimeout for a store from Open, flushTimeout otherwise.
+	ackBound time.Duration
 }
 
 type config struct {
@@ -141,7 +145,23 @@ func Open(opt rueidis.ClientOption, opts ...Option) (*Store, error) {
 	}
 	s.ownClient = true
 	s.inlineLone = s.ackReplicas == 0
+	if cwt := connWriteTimeout(opt); cwt > 0 {
+		s.ackBound = cwt
+	}
 	return s, nil
+}
+
+// connWriteTimeout is the ConnWriteTimeout rueidis uses for opt: its own
+// default when opt leaves it 0; 0 when there is none (negative).
+func connWriteTimeout(opt rueidis.ClientOption) time.Duration {
+	if opt.ConnWriteTimeout != 0 {
+		return max(opt.ConnWriteTimeout, 0)
+	}
+	ka := opt.Dialer.KeepAlive
+	if ka == 0 {
+		ka = rueidis.DefaultTCPKeepAlive
+	}
+	return max(rueidis.DefaultTCPKeepAlive, ka) * 10
 }
 
 // New returns a store on a client the caller owns: Close leaves it open.
@@ -171,6 +191,7 @@ func New(c rueidis.Client, opts ...Option) (*Store, error) {
 		cluster:      c.Mode() == rueidis.ClientModeCluster,
 		ackReplicas:  int64(cfg.ackReplicas),
 		ackTimeout:   cfg.ackTimeout.Milliseconds(),
+		ackBound:     flushTimeout,
 	}, nil
 }
 
@@ -628,7 +649,7 @@ func (s *Store) execAckedUnit(ctx context.Context, calls []call, results []rueid
 		cmds = append(cmds, k.sc.evalsha(s.client, k.keys, k.args))
 	}
 	cmds = append(cmds, s.wait())
-	res := s.client.DoMulti(ctx, cmds...)
+	res := s.doAcked(ctx, cmds)
 	ackErr := s.waitError(res[len(calls)])
 	var again []int
 	for i, r := range res[:len(calls)] {
@@ -645,11 +666,28 @@ func (s *Store) execAckedUnit(ctx context.Context, calls []call, results []rueid
 		cmds = append(cmds, calls[i].sc.eval(s.client, calls[i].keys, calls[i].args))
 	}
 	cmds = append(cmds, s.wait())
-	res = s.client.DoMulti(ctx, cmds...)
+	res = s.doAcked(ctx, cmds)
 	ackErr = s.waitError(res[len(again)])
 	for k, i := range again {
 		results[i], ackErrs[i] = res[k], ackErr
 	}
+}
+
+// doAcked sends a pipeline that ends with WAIT. rueidis sends a pipeline
+// holding a blocking command on a dedicated connection that gets no
+// ConnWriteTimeout deadline and that closing the client does not close,
+// so on a server that stopped answering only the context's deadline ends
+// it; a call's context has no cancellation (callCtx). So the pipeline gets
+// a deadline of its own, WAIT's timeout plus ackBound, unless the
+// caller's is earlier.
+func (s *Store) doAcked(ctx context.Context, cmds rueidis.Commands) []rueidis.RedisResult {
+	bound := time.Now().Add(time.Duration(s.ackTimeout)*time.Millisecond + s.ackBound)
+	if dl, ok := ctx.Deadline(); !ok || dl.After(bound) {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, bound)
+		defer cancel()
+	}
+	return s.client.DoMulti(ctx, cmds...)
 }
 
 func (s *Store) wait() rueidis.Completed {
