@@ -206,10 +206,12 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // so the fraction bounds that cost, as autovacuum's scale factor does:
 // with 0.1, each completion pays for reading about ten index entries.
 // Every store on the table counts its own completions, so N stores vacuum
-// up to N times as often. A role that does not own the table cannot
-// vacuum it: the server logs a warning each time and nothing is done (turn
-// it off then). A run holds one of the pool's connections while it lasts. The partitioned layout ([WithPartitions]) never runs it:
-// its old partitions are dropped whole.
+// up to N times as often. A role that may not vacuum the table (not its
+// owner nor the database's, nor granted MAINTAIN on PostgreSQL 17) is
+// found out before the first VACUUM: the store logs one warning and runs
+// none for the rest of its life. A run holds one of the pool's
+// connections while it lasts. The partitioned layout ([WithPartitions])
+// never runs it: its old partitions are dropped whole.
 func WithVacuum(min int, fraction float64) Option {
 	return optionFunc(func(c *config) { c.vacuumMin, c.vacuumFraction = min, fraction })
 }

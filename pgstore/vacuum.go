@@ -17,6 +17,7 @@ type vacuumer struct {
 	pending atomic.Int64 // completions since the last run
 	need    atomic.Int64 // pending that makes the store look again: min, or the last size read
 	running atomic.Bool  // a run (or its decision) is in flight
+	denied  atomic.Bool  // the role may not vacuum the table: no more runs
 	runs    atomic.Int64 // VACUUMs sent, for tests
 
 	ctx    context.Context // cancelled by Close
@@ -30,7 +31,7 @@ type vacuumer struct {
 // flight. The run decides against the table's size.
 func (s *Store) completed(n int) {
 	v := &s.vac
-	if v.min == 0 || n <= 0 {
+	if v.min == 0 || n <= 0 || v.denied.Load() {
 		return
 	}
 	if v.pending.Add(int64(n)) < max(v.min, v.need.Load()) || !v.running.CompareAndSwap(false, true) {
@@ -57,10 +58,18 @@ func (s *Store) vacuum() {
 	ctx := v.ctx
 	pending := v.pending.Load()
 	var rows float64
-	if err := s.pool.QueryRow(ctx, `SELECT reltuples FROM pg_class WHERE oid = $1::regclass`, s.names.records).Scan(&rows); err != nil {
+	var may bool
+	if err := s.pool.QueryRow(ctx, vacuumCheck, s.names.records).Scan(&rows, &may); err != nil {
 		if ctx.Err() == nil {
 			s.logger().WarnContext(ctx, "dedup records vacuum: reading the table's size failed", "table", s.names.records, "error", err)
 		}
+		return
+	}
+	if !may {
+		// The server would skip the table with a WARNING in its log on
+		// every run: say so once here and stop.
+		v.denied.Store(true)
+		s.logger().WarnContext(ctx, "dedup records vacuum: the store's role may not vacuum the table (it is not its owner, nor the database's, nor granted MAINTAIN); the store will not run VACUUM (WithVacuum(0, 0) turns this off)", "table", s.names.records)
 		return
 	}
 	if need := v.fraction * rows; float64(pending) < need {
@@ -80,6 +89,18 @@ func (s *Store) vacuum() {
 		s.logger().WarnContext(ctx, "dedup records vacuum failed", "table", s.names.records, "error", err)
 	}
 }
+
+// vacuumCheck reads the records table's estimated rows and whether the
+// current role may vacuum it: it owns the table or the database (through a
+// role it has the privileges of, or as superuser), or, from PostgreSQL 17,
+// has the MAINTAIN privilege on it (the CASE keeps the privilege name from
+// older servers, which do not know it).
+const vacuumCheck = `SELECT c.reltuples,
+	pg_has_role(c.relowner, 'USAGE')
+	OR pg_has_role(d.datdba, 'USAGE')
+	OR CASE WHEN current_setting('server_version_num')::int >= 170000 THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END
+FROM pg_class c, pg_database d
+WHERE c.oid = $1::regclass AND d.datname = current_database()`
 
 // closeVacuum cancels a run in flight and waits for it. The caller has
 // set s.closed, so no run starts after it takes s.mu.
