@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // vacuumer runs VACUUM on the plain records table once enough records
@@ -85,9 +86,56 @@ func (s *Store) vacuum() {
 	// another store's) or a lock held by DDL makes this one skip at once
 	// instead of queueing. A role that does not own the table gets a
 	// warning from the server and nothing is done.
-	if _, err := s.pool.Exec(ctx, `VACUUM (SKIP_LOCKED) `+s.names.records); err != nil && ctx.Err() == nil {
+	if err := s.runVacuum(ctx); err != nil && ctx.Err() == nil {
 		s.logger().WarnContext(ctx, "dedup records vacuum failed", "table", s.names.records, "error", err)
 	}
+}
+
+// vacuumCancelWait bounds how long a run waits for the server to stop its
+// VACUUM after Close sent it a cancel request, before it drops the
+// connection instead (the server then goes on until the VACUUM ends).
+const vacuumCancelWait = 5 * time.Second
+
+// runVacuum sends the VACUUM on a connection of its own from the pool.
+// When ctx is cancelled (Close) it stops the VACUUM on the server with a
+// cancel request and waits for the server's answer: a plain cancelled
+// context would only close the connection (pgx's default), and the server,
+// which does not look at the socket while it vacuums, would go on with the
+// table's lock held after Close returned. A connection a cancel request
+// was sent on is closed, not given back: a request that arrives late must
+// not cancel another caller's statement.
+func (s *Store) runVacuum(ctx context.Context) error {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	xctx, xcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer xcancel()
+	sent := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(sent)
+		cctx, cancel := context.WithTimeout(context.Background(), vacuumCancelWait)
+		defer cancel()
+		if conn.Conn().PgConn().CancelRequest(cctx) != nil {
+			xcancel() // no request went: drop the connection now
+			return
+		}
+		t := time.AfterFunc(vacuumCancelWait, xcancel)
+		<-xctx.Done()
+		t.Stop()
+	})
+	_, err = conn.Exec(xctx, `VACUUM (SKIP_LOCKED) `+s.names.records)
+	if stop() {
+		conn.Release()
+		return err
+	}
+	xcancel() // the Exec is over: let the func above return
+	<-sent
+	c := conn.Hijack()
+	cctx, cancel := context.WithTimeout(context.Background(), vacuumCancelWait)
+	defer cancel()
+	c.Close(cctx)
+	return err
 }
 
 // vacuumCheck reads the records table's estimated rows and whether the

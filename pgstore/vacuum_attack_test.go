@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/pgstore"
@@ -112,5 +113,66 @@ func TestVacuumNotOwnerDetectedOnce(t *testing.T) {
 	}
 	if n := h.vacuumWarnings(); n != 1 {
 		t.Errorf("the store logged %d warnings about vacuum (%q), want exactly 1 saying it cannot vacuum the table", n, h.msgs)
+	}
+}
+
+// TestVacuumCloseStopsServerRun: Close cancels a run in flight and waits
+// for it; the VACUUM on the server must be over when Close returns, not go
+// on holding its lock on the table (which blocks DDL, a migration, and
+// autovacuum) after the store, and maybe the process, is gone. The run is
+// slowed by the session's vacuum cost settings so that Close finds it at
+// work.
+func TestVacuumCloseStopsServerRun(t *testing.T) {
+	owner := testPool(t)
+	ctx := context.Background()
+	schema := freshSchema(t, owner)
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 4
+	cfg.ConnConfig.RuntimeParams["vacuum_cost_delay"] = "100"
+	cfg.ConnConfig.RuntimeParams["vacuum_cost_limit"] = "1"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s := openStoreOn(t, pool, schema, pgstore.WithVacuum(1, 0))
+	table := s.Tables().Records
+	t.Cleanup(func() {
+		// Whatever the outcome, leave no VACUUM to hold up the schema's drop.
+		owner.Exec(context.Background(), `SELECT pg_cancel_backend(pid) FROM pg_stat_progress_vacuum WHERE relid = $1::regclass`, table)
+	})
+	if _, err := owner.Exec(ctx, `INSERT INTO `+table+` (deadline, scope, attempts, state, token, id, result)
+SELECT now() + interval '1 hour', 0, 1, 2, '\x00', convert_to('x' || i, 'UTF8'), convert_to(repeat('r', 500), 'UTF8') FROM generate_series(1, 3000) i`); err != nil {
+		t.Fatal(err)
+	}
+	claimComplete(t, s, "a", 1) // starts a run
+	running := func() bool {
+		var n int
+		if err := owner.QueryRow(ctx, `SELECT count(*) FROM pg_stat_progress_vacuum WHERE relid = $1::regclass`, table).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	}
+	for i := 0; !running(); i++ {
+		if i == 1000 {
+			t.Fatal("the store's VACUUM never showed on the server")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if running() {
+		t.Fatalf("Close returned while the store's VACUUM of %s still runs on the server", table)
+	}
+	// The pool the store was given still works, and its connections are
+	// not left with a cancel request aimed at them.
+	for range 8 {
+		if _, err := pool.Exec(ctx, `SELECT pg_sleep(0.01)`); err != nil {
+			t.Fatalf("the pool after Close: %v", err)
+		}
 	}
 }
