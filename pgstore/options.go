@@ -210,7 +210,10 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // owner nor the database's, nor granted MAINTAIN on PostgreSQL 17) is
 // found out before the first VACUUM: the store logs one warning and runs
 // none for the rest of its life. A run holds one of the pool's
-// connections while it lasts. The partitioned layout ([WithPartitions])
+// connections while it lasts, and looks once a second, with another, for
+// a session its VACUUM blocks (DDL on the table, which claims would queue
+// behind): it then cancels its VACUUM, as the server does autovacuum's.
+// Close cancels a run on the server and waits for it. The partitioned layout ([WithPartitions])
 // never runs it: its old partitions are dropped whole.
 func WithVacuum(min int, fraction float64) Option {
 	return optionFunc(func(c *config) { c.vacuumMin, c.vacuumFraction = min, fraction })

@@ -84,9 +84,13 @@ func (s *Store) vacuum() {
 	v.runs.Add(1)
 	// SKIP_LOCKED: a vacuum already at work on the table (autovacuum,
 	// another store's) or a lock held by DDL makes this one skip at once
-	// instead of queueing. A role that does not own the table gets a
-	// warning from the server and nothing is done.
-	if err := s.runVacuum(ctx); err != nil && ctx.Err() == nil {
+	// instead of queueing.
+	yielded, err := s.runVacuum(ctx)
+	switch {
+	case ctx.Err() != nil:
+	case yielded:
+		s.logger().InfoContext(ctx, "dedup records vacuum cancelled: it blocked a lock request on the table", "table", s.names.records)
+	case err != nil:
 		s.logger().WarnContext(ctx, "dedup records vacuum failed", "table", s.names.records, "error", err)
 	}
 }
@@ -96,6 +100,12 @@ func (s *Store) vacuum() {
 // connection instead (the server then goes on until the VACUUM ends).
 const vacuumCancelWait = 5 * time.Second
 
+// vacuumYieldCheck is how often a run looks for sessions waiting for a
+// lock its VACUUM holds (PostgreSQL's deadlock_timeout, after which the
+// server cancels an autovacuum that blocks a lock request, is 1s by
+// default).
+const vacuumYieldCheck = time.Second
+
 // runVacuum sends the VACUUM on a connection of its own from the pool.
 // When ctx is cancelled (Close) it stops the VACUUM on the server with a
 // cancel request and waits for the server's answer: a plain cancelled
@@ -104,15 +114,45 @@ const vacuumCancelWait = 5 * time.Second
 // table's lock held after Close returned. A connection a cancel request
 // was sent on is closed, not given back: a request that arrives late must
 // not cancel another caller's statement.
-func (s *Store) runVacuum(ctx context.Context) error {
+//
+// The server cancels an autovacuum that blocks another session's lock
+// request, but not a VACUUM a client sent: DDL on the table (a migration,
+// an index build) would queue behind the store's VACUUM, and every claim
+// behind the DDL, until the VACUUM ends. So the run looks every
+// vacuumYieldCheck for a session its VACUUM blocks and, if it finds one,
+// cancels the VACUUM as the server would an autovacuum's (yielded).
+func (s *Store) runVacuum(ctx context.Context) (yielded bool, err error) {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return err
+		return false, err
 	}
+	pid := conn.Conn().PgConn().PID()
+	rctx, rcancel := context.WithCancel(ctx)
+	defer rcancel()
+	var yield atomic.Bool
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		tick := time.NewTicker(vacuumYieldCheck)
+		defer tick.Stop()
+		for {
+			select {
+			case <-rctx.Done():
+				return
+			case <-tick.C:
+			}
+			if s.vacuumBlocks(rctx, pid) {
+				yield.Store(true)
+				rcancel()
+				return
+			}
+		}
+	}()
+	defer func() { <-watched }()
 	xctx, xcancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer xcancel()
 	sent := make(chan struct{})
-	stop := context.AfterFunc(ctx, func() {
+	stop := context.AfterFunc(rctx, func() {
 		defer close(sent)
 		cctx, cancel := context.WithTimeout(context.Background(), vacuumCancelWait)
 		defer cancel()
@@ -126,8 +166,9 @@ func (s *Store) runVacuum(ctx context.Context) error {
 	})
 	_, err = conn.Exec(xctx, `VACUUM (SKIP_LOCKED) `+s.names.records)
 	if stop() {
+		rcancel() // stop the watch
 		conn.Release()
-		return err
+		return false, err
 	}
 	xcancel() // the Exec is over: let the func above return
 	<-sent
@@ -135,7 +176,20 @@ func (s *Store) runVacuum(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(context.Background(), vacuumCancelWait)
 	defer cancel()
 	c.Close(cctx)
-	return err
+	return yield.Load() && ctx.Err() == nil, err
+}
+
+// vacuumBlocks reports whether a session waits for a lock that the
+// backend pid holds (pg_locks, which every role sees whole, unlike
+// pg_stat_activity's wait events of other roles' sessions). It gives up (false) when no pool connection is free
+// within vacuumYieldCheck: the watch must not queue for long with the
+// callers.
+func (s *Store) vacuumBlocks(ctx context.Context, pid uint32) bool {
+	ctx, cancel := context.WithTimeout(ctx, vacuumYieldCheck)
+	defer cancel()
+	var blocks bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND $1::int = ANY (pg_blocking_pids(pid)))`, int64(pid)).Scan(&blocks)
+	return err == nil && blocks
 }
 
 // vacuumCheck reads the records table's estimated rows and whether the
