@@ -19,13 +19,18 @@ import "context"
 //     hand-offs that a plain client call on context.Background does not
 //     (docs/benchmarks.md, dedupamqp with Redis).
 //
-// What still ends a call: the caller's deadline; the client's
-// ConnWriteTimeout (rueidis sets the connection's deadline to it for a
-// call answered on the caller's goroutine, and detects a silent server by
-// it, with its keep-alive PINGs, for calls on the pipeline), 10s by
-// default; closing the client. A caller whose context has already ended
-// is refused before anything is sent (Store.begin).
-func callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+// What still ends a call: the caller's deadline; for a caller that could
+// cancel but set no deadline, the store's call bound (s.callBound: the
+// client's ConnWriteTimeout for a store from Open, 10s or
+// WithCallTimeout for one from New), given as a deadline, because
+// rueidis's own detection of a silent server needs its keep-alive PINGs,
+// which a client may have turned off (Dialer.KeepAlive < 0), and a store
+// from New cannot see its client's options; the client's ConnWriteTimeout
+// (rueidis sets the connection's deadline to it for a call answered on
+// the caller's goroutine); closing the client. A caller whose context has
+// already ended is refused before anything is sent (Store.begin). A
+// deadline keeps rueidis's synchronous path for a lone caller.
+func (s *Store) callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	if ctx.Done() == nil {
 		// Background, TODO or already detached: nothing to strip.
 		return ctx, noCancel
@@ -34,7 +39,7 @@ func callCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	if dl, ok := ctx.Deadline(); ok {
 		return context.WithDeadline(bare, dl)
 	}
-	return bare, noCancel
+	return context.WithTimeout(bare, s.callBound)
 }
 
 func noCancel() {}

@@ -182,11 +182,11 @@ func (s *Store) abandon(ctx context.Context, b *pendingBatch, i int) error {
 // flushLone sends b, which holds only its caller's item, on the caller's
 // goroutine: no goroutine is started and no reply handed over, which is
 // what a lone caller (one worker) paid for on every completion. Nobody
-// else waits for b. Like every call of the store it runs on callCtx(ctx):
+// else waits for b. Like every call of the store it runs on s.callCtx(ctx):
 // a caller that has given up before it is sent gets a not-applied error
 // and nothing is sent; once sent, the call waits for its reply, so its
-// outcome is known, until the caller's deadline, the client's
-// ConnWriteTimeout or Close (which closes the client: only stores from
+// outcome is known, until the caller's deadline (or, for a caller without
+// one, the store's call bound), the client's ConnWriteTimeout or Close (which closes the client: only stores from
 // Open send inline, Store.inlineLone), whichever comes first; a
 // cancellation without a deadline does not end it. A call ended that way
 // gets an error whose outcome is unknown (the record is in progress until
@@ -198,7 +198,7 @@ func (s *Store) flushLone(ctx context.Context, b *pendingBatch) {
 		close(b.done)
 		return
 	}
-	cctx, cancel := callCtx(ctx)
+	cctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	errs := make([]error, 1)
 	s.completeItems(cctx, b.items, b.rets[0], errs)

@@ -61,7 +61,11 @@
 // to end; a completion given up on may have completed). Every call runs
 // on a context that keeps the caller's values and deadline but not its
 // bare cancellation, and ends at the first of: its reply; the caller's
-// deadline; the client's ConnWriteTimeout (rueidis sets a call answered
+// deadline or, for a caller that can cancel but set no deadline, the
+// store's call bound ([WithCallTimeout]; by default the client's
+// ConnWriteTimeout for a store from [Open], 10s for one from [New], which
+// cannot see its client's options; it holds even for a client whose
+// keep-alive PINGs are off, Dialer.KeepAlive < 0); the client's ConnWriteTimeout (rueidis sets a call answered
 // on its caller's goroutine a connection deadline of that length, and
 // detects a silent server on a busy connection with PINGs bounded by it,
 // plus at most one keep-alive interval; 10s by default: set it, with

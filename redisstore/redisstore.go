@@ -1,6 +1,7 @@
 package redisstore
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha1"
 	"encoding/hex"
@@ -47,6 +48,10 @@ type Store struct {
 	// beyond WAIT's own timeout (see doAcked): the client's
 	// ConnWriteTimeout for a store from Open, flushTimeout otherwise.
 	ackBound time.Duration
+	// callBound: how long a call whose caller can cancel but set no
+	// deadline may wait for its reply (see callCtx).
+	callBound      time.Duration
+	callTimeoutSet bool // WithCallTimeout given: Open keeps it
 }
 
 type config struct {
@@ -54,6 +59,7 @@ type config struct {
 	hold        time.Duration
 	ackReplicas int
 	ackTimeout  time.Duration
+	callTimeout time.Duration
 }
 
 // Option configures a Store.
@@ -101,11 +107,26 @@ func WithReplicaAck(replicas int, timeout time.Duration) Option {
 	return option(func(c *config) { c.ackReplicas, c.ackTimeout = replicas, timeout })
 }
 
+// WithCallTimeout bounds a call whose context can be cancelled but has no
+// deadline: once sent, such a call waits for its reply (a cancellation
+// does not end it, see the package doc) for at most d. Default: the
+// client's ConnWriteTimeout for a store from [Open] (10s unless set), 10s
+// for one from [New], which cannot see its client's options. A context
+// with a deadline is bounded by its deadline instead.
+func WithCallTimeout(d time.Duration) Option { return option(func(c *config) { c.callTimeout = d }) }
+
+// defaultCallBound is the call bound of a store from New (rueidis's
+// default ConnWriteTimeout).
+const defaultCallBound = 10 * time.Second
+
 func defaultConfig() config { return config{prefix: "dedup:", hold: time.Hour} }
 
 func (c *config) validate() error {
 	if c.hold < time.Millisecond {
 		return &dedup.ArgumentError{Arg: "redisstore takeover hold", Reason: "must be at least 1ms"}
+	}
+	if c.callTimeout < 0 || c.callTimeout > 0 && c.callTimeout < time.Millisecond {
+		return &dedup.ArgumentError{Arg: "redisstore call timeout", Reason: "must be at least 1ms"}
 	}
 	if c.ackReplicas < 0 || c.ackReplicas == 0 && c.ackTimeout != 0 {
 		return &dedup.ArgumentError{Arg: "redisstore replica ack", Reason: "replicas must be at least 1"}
@@ -147,6 +168,9 @@ func Open(opt rueidis.ClientOption, opts ...Option) (*Store, error) {
 	s.inlineLone = s.ackReplicas == 0
 	if cwt := connWriteTimeout(opt); cwt > 0 {
 		s.ackBound = cwt
+		if !s.callTimeoutSet {
+			s.callBound = cwt
+		}
 	}
 	return s, nil
 }
@@ -192,6 +216,9 @@ func New(c rueidis.Client, opts ...Option) (*Store, error) {
 		ackReplicas:  int64(cfg.ackReplicas),
 		ackTimeout:   cfg.ackTimeout.Milliseconds(),
 		ackBound:     flushTimeout,
+		callBound:    cmp.Or(cfg.callTimeout, defaultCallBound),
+
+		callTimeoutSet: cfg.callTimeout > 0,
 	}, nil
 }
 
@@ -322,7 +349,7 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	if err := s.begin(ctx, "claim"); err != nil {
 		return dedup.Claim{}, err
 	}
-	ctx, cancel := callCtx(ctx)
+	ctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	tok := dedup.NewToken()
 	rk := s.RedisKey(key)
@@ -430,7 +457,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 	if len(reqs) == 0 {
 		return []dedup.Claim{}, nil
 	}
-	ctx, cancel := callCtx(ctx)
+	ctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	toks := make([]dedup.Token, len(reqs))
 	keys := make([]string, len(reqs))
@@ -501,7 +528,7 @@ func (s *Store) CompleteBatch(ctx context.Context, items []dedup.Completion, ret
 	if len(items) == 0 {
 		return []error{}, nil
 	}
-	ctx, cancel := callCtx(ctx)
+	ctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	errs := make([]error, len(items))
 	s.completeItems(ctx, items, retention, errs)
@@ -774,7 +801,7 @@ func (s *Store) Release(ctx context.Context, c dedup.Claim) error {
 	if err := s.begin(ctx, "release"); err != nil {
 		return err
 	}
-	ctx, cancel := callCtx(ctx)
+	ctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	res := s.release.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:])})
 	return s.fenced("release", res)
@@ -791,7 +818,7 @@ func (s *Store) Extend(ctx context.Context, c dedup.Claim, lease time.Duration) 
 	if err := s.begin(ctx, "extend"); err != nil {
 		return c, err
 	}
-	ctx, cancel := callCtx(ctx)
+	ctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	start := time.Now()
 	res := s.extend.exec(ctx, s.client, []string{s.RedisKey(c.Key)}, []string{string(c.Token[:]), ms(lease)})
@@ -823,7 +850,7 @@ func (s *Store) Ping(ctx context.Context) error {
 	if err := s.begin(ctx, "ping"); err != nil {
 		return err
 	}
-	ctx, cancel := callCtx(ctx)
+	ctx, cancel := s.callCtx(ctx)
 	defer cancel()
 	if err := s.client.Do(ctx, s.client.B().Ping().Build()).Error(); err != nil {
 		return s.fail("ping", err)

@@ -15,21 +15,37 @@ import (
 // TestClaimNoKeepAliveFrozenServerEnds: a store on a client whose
 // keep-alive is off (Dialer.KeepAlive < 0: no PINGs), whose connection
 // runs its goroutine pipeline (it had concurrent calls). A claim on a
-// frozen server, its caller cancelled: the doc bounds it by
-// ConnWriteTimeout plus one keep-alive interval.
+// frozen server, its caller cancelled (no deadline): it ends at the
+// store's call bound, the client's ConnWriteTimeout for a store from Open,
+// WithCallTimeout for one from New; before the bound, rueidis had nothing
+// to end it with (no PING detects the silent server) until the thaw.
 func TestClaimNoKeepAliveFrozenServerEnds(t *testing.T) {
+	for _, from := range []string{"open", "new"} {
+		t.Run(from, func(t *testing.T) { testClaimNoKeepAliveFrozen(t, from) })
+	}
+}
+
+func testClaimNoKeepAliveFrozen(t *testing.T, from string) {
 	srv := testenv.StartRedis(t, "")
 	g := startReplyGate(t, srv.Addrs()[0])
 	const cwt = 300 * time.Millisecond
-	cl, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1, ConnWriteTimeout: cwt,
-		DisableCache: true, Dialer: net.Dialer{KeepAlive: -1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(cl.Close)
-	s, err := New(cl)
-	if err != nil {
-		t.Fatal(err)
+	opt := rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1, ConnWriteTimeout: cwt,
+		DisableCache: true, Dialer: net.Dialer{KeepAlive: -1}}
+	var s *Store
+	if from == "open" {
+		var err error
+		if s, err = Open(opt); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		cl, err := rueidis.NewClient(opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(cl.Close)
+		if s, err = New(cl, WithCallTimeout(cwt)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	t.Cleanup(func() { s.Close() })
 	bg := context.Background()
