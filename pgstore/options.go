@@ -210,7 +210,9 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // owner nor the database's, nor granted MAINTAIN on PostgreSQL 17) is
 // found out before the first VACUUM: the store logs one warning and runs
 // none for the rest of its life. A run holds one of the pool's
-// connections while it lasts, and looks once a second, with another, for
+// connections while it lasts: it starts only when the pool has another
+// for the callers (idle or yet to be opened), and a store on a pool of one
+// connection never runs it. The run looks once a second, with another, for
 // a session its VACUUM blocks (DDL on the table, which claims would queue
 // behind): it then cancels its VACUUM, as the server does autovacuum's.
 // Close cancels a run on the server and waits for it. The partitioned layout ([WithPartitions])

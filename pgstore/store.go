@@ -211,7 +211,7 @@ func newStore(pool *pgxpool.Pool, cfg config) *Store {
 	h.Write([]byte(cfg.schema + "." + cfg.prefix))
 	s.salt = h.Sum64()
 	s.sql = buildStatements(&s.names, &cfg)
-	if cfg.vacuumMin > 0 && cfg.partition == 0 {
+	if cfg.vacuumMin > 0 && cfg.partition == 0 && pool.Config().MaxConns >= 2 {
 		s.vac.min, s.vac.fraction = int64(cfg.vacuumMin), cfg.vacuumFraction
 		s.vac.ctx, s.vac.cancel = context.WithCancel(context.Background())
 	}

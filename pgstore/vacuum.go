@@ -35,7 +35,7 @@ func (s *Store) completed(n int) {
 	if v.min == 0 || n <= 0 || v.denied.Load() {
 		return
 	}
-	if v.pending.Add(int64(n)) < max(v.min, v.need.Load()) || !v.running.CompareAndSwap(false, true) {
+	if v.pending.Add(int64(n)) < max(v.min, v.need.Load()) || !s.poolSpares() || !v.running.CompareAndSwap(false, true) {
 		return
 	}
 	s.mu.Lock()
@@ -47,6 +47,16 @@ func (s *Store) completed(n int) {
 	v.wg.Add(1)
 	s.mu.Unlock()
 	go s.vacuum()
+}
+
+// poolSpares reports whether the pool has a connection for a run and
+// still one for the callers (idle or yet to be opened): a run holds its
+// connection until the VACUUM ends, and must not leave claims waiting in
+// the pool for it. When it has none, the completions stay pending and a
+// later one tries again.
+func (s *Store) poolSpares() bool {
+	st := s.pool.Stat()
+	return int64(st.IdleConns())+int64(st.MaxConns())-int64(st.TotalConns()) >= 2
 }
 
 // vacuum runs VACUUM on the records table if the completions pending are
