@@ -248,6 +248,10 @@ func benchConsume(b *testing.B, batch, conc int) {
 //     (the next batch's SET NX pipeline is sent while the previous batch's
 //     SET pipeline and acks are in flight, one batch at a time), to show
 //     what the overlap alone gains a bare client.
+//   - redis-direct: floor2's loop with redisstore's ClaimBatch and
+//     CompleteBatch called directly instead of the plain writes: the
+//     cheapest correct Redis dedup (a completion fenced by the claim's
+//     token), no processor, no pipeline.
 //
 // Redis is DEDUP_REDIS_ADDR: use a private server.
 func BenchmarkConsumeRotated(b *testing.B) {
@@ -410,6 +414,59 @@ func BenchmarkConsumeRotated(b *testing.B) {
 		}
 		return s, func() { s.Close() }
 	}
+	// direct: floor2's loop with redisstore's own ClaimBatch and
+	// CompleteBatch in place of the plain writes (no processor, no
+	// pipeline): the cheapest correct Redis dedup, whose completion is
+	// fenced by the claim's token as the contract requires.
+	direct := func(b *testing.B) float64 {
+		name, drop := stream(b)
+		defer drop()
+		store, closeStore := redisOpen(b)
+		defer closeStore()
+		rs := store.(*redisstore.Store)
+		c, err := NewConsumer(js, name, "bench", benchProcessor(b, "direct", mustMem(b)),
+			WithBatch(batch), WithBatchProcessing(), WithLogger(quiet))
+		if err != nil {
+			b.Fatal(err)
+		}
+		var done atomic.Int64
+		c.processBatch = func(ctx context.Context, msgs []jetstream.Msg, settled func()) {
+			defer settled()
+			reqs := make([]dedup.ClaimRequest, len(msgs))
+			for i, msg := range msgs {
+				reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: "direct", ID: msg.Headers().Get(HeaderMsgID)}}
+			}
+			claims, err := rs.ClaimBatch(ctx, reqs, 30*time.Second)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			items := make([]dedup.Completion, len(claims))
+			for i, cl := range claims {
+				if cl.Outcome != dedup.Acquired {
+					b.Errorf("direct floor: %v for a new message", cl.Outcome)
+					return
+				}
+				items[i] = dedup.Completion{Claim: cl}
+			}
+			errs, err := rs.CompleteBatch(ctx, items, time.Hour)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			for i, msg := range msgs {
+				if errs[i] != nil {
+					b.Error(errs[i])
+					return
+				}
+				c.held.remove(msg)
+				if msg.Ack() == nil {
+					done.Add(1)
+				}
+			}
+		}
+		return consume(b, c, &done)
+	}
 	cases := []struct {
 		name string
 		run  func(b *testing.B) float64
@@ -420,6 +477,7 @@ func BenchmarkConsumeRotated(b *testing.B) {
 		{"redis-batch-depth3", ours(redisOpen, 3)},
 		{"redis-floor2", floor(false)},
 		{"redis-floor2-overlap", floor(true)},
+		{"redis-direct", direct},
 	}
 	if only := os.Getenv("DEDUP_BENCH_CASES"); only != "" {
 		keep := strings.Split(only, ",")
