@@ -143,7 +143,7 @@
 // (fillfactor 100, measured smallest; docs/benchmarks.md has the bytes per
 // record). A completion leaves the claim's version of the record dead,
 // and its space is reused only once VACUUM has been: the store runs
-// VACUUM (SKIP_LOCKED) on <prefix>rec itself after every 10,000
+// VACUUM (SKIP_LOCKED, TRUNCATE false) on <prefix>rec itself after every 10,000
 // completions that are also a tenth of the table ([WithVacuum]), rather
 // than leave up to a minute of them to autovacuum (173 against 224 B a
 // record after a million, in one run). <prefix>rec_p is the

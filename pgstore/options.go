@@ -200,8 +200,10 @@ func WithRetentionWarningHook(f func(ctx context.Context, w RetentionWarning)) O
 // with this in the same run (and 161 for the same records written once);
 // docs/benchmarks.md has the runs.
 //
-// The run is VACUUM (SKIP_LOCKED): it skips at once when autovacuum or
-// another store is vacuuming the table, or DDL holds it. Each run scans
+// The run is VACUUM (SKIP_LOCKED, TRUNCATE false): it skips at once when
+// autovacuum or another store is vacuuming the table, or DDL holds it, and
+// never takes the exclusive lock that truncating the table's empty end
+// needs (autovacuum still does that). Each run scans
 // the table's pages changed since the last one and the whole primary key,
 // so the fraction bounds that cost, as autovacuum's scale factor does:
 // with 0.1, each completion pays for reading about ten index entries.

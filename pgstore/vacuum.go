@@ -94,7 +94,10 @@ func (s *Store) vacuum() {
 	v.runs.Add(1)
 	// SKIP_LOCKED: a vacuum already at work on the table (autovacuum,
 	// another store's) or a lock held by DDL makes this one skip at once
-	// instead of queueing.
+	// instead of queueing. TRUNCATE false: the run never takes the
+	// exclusive lock that cutting empty pages off the table's end needs
+	// (brief, but it would stall claims, and on a hot standby cancel
+	// queries, as often as the store vacuums); autovacuum still truncates.
 	yielded, err := s.runVacuum(ctx)
 	switch {
 	case ctx.Err() != nil:
@@ -174,7 +177,7 @@ func (s *Store) runVacuum(ctx context.Context) (yielded bool, err error) {
 		<-xctx.Done()
 		t.Stop()
 	})
-	_, err = conn.Exec(xctx, `VACUUM (SKIP_LOCKED) `+s.names.records)
+	_, err = conn.Exec(xctx, `VACUUM (SKIP_LOCKED, TRUNCATE false) `+s.names.records)
 	if stop() {
 		rcancel() // stop the watch
 		conn.Release()

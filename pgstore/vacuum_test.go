@@ -5,11 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/dedupkit/dedup"
+	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/pgstore"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -136,5 +140,61 @@ func TestVacuumCloseWaits(t *testing.T) {
 	pgstore.WaitVacuum(s) // returns at once: Close waited
 	if n := pgstore.VacuumRuns(s); n > 1 {
 		t.Fatalf("%d vacuums", n)
+	}
+}
+
+// sqlLog records the statements a pool's connections send.
+type sqlLog struct {
+	mu   sync.Mutex
+	sqls []string
+}
+
+func (l *sqlLog) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	l.mu.Lock()
+	l.sqls = append(l.sqls, d.SQL)
+	l.mu.Unlock()
+	return ctx
+}
+
+func (l *sqlLog) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestVacuumNeverTruncates: the store's VACUUM keeps the table's length
+// (TRUNCATE false): cutting empty pages off the end takes an exclusive
+// lock on the table, which would stall every claim (and cancel queries on
+// a hot standby) as often as the store vacuums. The statement is checked,
+// not the table's size: whether a run could truncate depends on the
+// oldest snapshot on the shared server.
+func TestVacuumNeverTruncates(t *testing.T) {
+	cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := &sqlLog{}
+	cfg.ConnConfig.Tracer = log
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	s := openStoreOn(t, pool, freshSchema(t, pool), pgstore.WithVacuum(20, 0))
+	claimComplete(t, s, "t", 20)
+	pgstore.WaitVacuum(s)
+	if n := pgstore.VacuumRuns(s); n != 1 {
+		t.Fatalf("%d vacuum runs after 20 completions, minimum 20: want 1", n)
+	}
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	var vacuums []string
+	for _, q := range log.sqls {
+		if strings.HasPrefix(strings.ToUpper(strings.TrimSpace(q)), "VACUUM") {
+			vacuums = append(vacuums, q)
+		}
+	}
+	if len(vacuums) != 1 {
+		t.Fatalf("the store sent %d VACUUM statements, want 1: %q", len(vacuums), vacuums)
+	}
+	if !strings.Contains(vacuums[0], "TRUNCATE false") {
+		t.Fatalf("the store's VACUUM may truncate the table (an exclusive lock): %q", vacuums[0])
 	}
 }
