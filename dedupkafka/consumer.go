@@ -497,7 +497,7 @@ func (c *Consumer) round(ctx, rctx context.Context, work []*part) {
 // the record and those after it stay in the backlog until the delay ends.
 func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 	if c.cfg.batch > 1 {
-		c.drainBatches(ctx, pt)
+		c.drainBatches(ctx, rctx, pt)
 		return
 	}
 	// The counts of final records go to the shared stats once per drain,
@@ -573,7 +573,7 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 // is built only once the batch depth before it was decided (the pipeline
 // holds depth, 2 by default), in this round or an earlier one: so only
 // the batch right after one whose completion fails can have run.
-func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
+func (c *Consumer) drainBatches(ctx, rctx context.Context, pt *part) {
 	depth := c.pipeDepth
 	if depth == 0 {
 		depth = 2
@@ -630,14 +630,18 @@ func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
 		dec := make(chan struct{})
 		pt.flight = append(pt.flight, dec)
 		c.batches.Add(1)
-		clean := pt.pl.Submit(ctx, run, func(rds []consumer.Decision) {
+		// The batch runs on rctx, as drain's records do: a Close while its
+		// handlers or its completion run lets them land (cut short, a
+		// handler's call would be an unknown outcome, released and run
+		// again by the next consumer); ctx only stops the next batch.
+		clean := pt.pl.Submit(rctx, run, func(rds []consumer.Decision) {
 			defer c.batches.Done()
 			defer close(dec)
 			ds := make([]consumer.Decision, n)
 			for j, d := range rds {
 				ds[at[j]] = d
 			}
-			c.decideBatch(ctx, pt, gen, recs, ms, errs, ds)
+			c.decideBatch(ctx, rctx, pt, gen, recs, ms, errs, ds)
 		})
 		if !clean || len(run) < n {
 			pt.pl.Wait()
@@ -647,13 +651,14 @@ func (c *Consumer) drainBatches(ctx context.Context, pt *part) {
 }
 
 // decideBatch makes the decisions of a batch of pt submitted at hold
-// count gen: recs are its records (the first of pt.backlog, unless a hold
+// count gen (ctx is the loop's, which a shutdown ends; rctx the one
+// records run on, see loop): recs are its records (the first of pt.backlog, unless a hold
 // came since), ms their messages, errs the envelope errors of those that
 // could not be read (quarantined now, in their turn), ds the processor's
 // decisions. The records become final in order up to the first Retry,
 // which holds the partition at its record. It runs on the pipeline's
 // goroutine, the batches of a partition one at a time in their order.
-func (c *Consumer) decideBatch(ctx context.Context, pt *part, gen uint64, recs []*kgo.Record, ms []*consumer.Message, errs []error, ds []consumer.Decision) {
+func (c *Consumer) decideBatch(ctx, rctx context.Context, pt *part, gen uint64, recs []*kgo.Record, ms []*consumer.Message, errs []error, ds []consumer.Decision) {
 	c.mu.Lock()
 	dropped := pt.gen != gen
 	c.mu.Unlock()
@@ -669,7 +674,7 @@ func (c *Consumer) decideBatch(ctx context.Context, pt *part, gen uint64, recs [
 		d := ds[i]
 		if errs[i] != nil {
 			c.st.envelope.Add(1)
-			d = c.p.Quarantine(ctx, ms[i], consumer.ClassPermanent, errs[i])
+			d = c.p.Quarantine(rctx, ms[i], consumer.ClassPermanent, errs[i])
 		}
 		if d.Action == consumer.Retry {
 			stop = i
