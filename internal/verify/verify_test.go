@@ -210,7 +210,7 @@ func TestCheckThenSetDoublesEffects(t *testing.T) {
 	cfg.CrashRate = 0
 	cfg.FailRate = 0
 	cfg.Seed = 3
-	tg, err := verify.NewLease("check-then-set", brokenstore.NewCheckThenSet(), cfg.Lease)
+	tg, err := verify.NewLease("check-then-set", brokenstore.NewCheckThenSet().WithWindow(time.Millisecond), cfg.Lease)
 	if err != nil {
 		t.Fatal(err)
 	}
