@@ -36,6 +36,20 @@ type replyGate struct {
 	conns []net.Conn
 }
 
+// gatedStore starts a private Redis behind a reply gate and opens a store
+// on it (one connection), closed at the end of the test.
+func gatedStore(t *testing.T) (*testenv.RedisServer, *replyGate, *Store) {
+	t.Helper()
+	srv := testenv.StartRedis(t, "")
+	g := startReplyGate(t, srv.Addrs()[0])
+	s, err := Open(rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return srv, g, s
+}
+
 func startReplyGate(t *testing.T, target string) *replyGate {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -217,13 +231,7 @@ func TestCallCancelledBeforeIsNotSent(t *testing.T) {
 // released) as usual. Before, the cancellation ended the wait: a store
 // error, the key in progress under a token nobody had.
 func TestClaimCancelledMidCallKeepsItsOutcome(t *testing.T) {
-	srv := testenv.StartRedis(t, "")
-	g := startReplyGate(t, srv.Addrs()[0])
-	s, err := Open(rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
+	_, g, s := gatedStore(t)
 	bg := context.Background()
 	if err := s.Ping(bg); err != nil {
 		t.Fatal(err)
@@ -260,13 +268,7 @@ func TestClaimCancelledMidCallKeepsItsOutcome(t *testing.T) {
 // caller is cancelled (without a deadline) after it went out waits for
 // the reply and reports the completion done, not an unknown outcome.
 func TestCompleteCancelledMidCallKnowsItsOutcome(t *testing.T) {
-	srv := testenv.StartRedis(t, "")
-	g := startReplyGate(t, srv.Addrs()[0])
-	s, err := Open(rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
+	_, g, s := gatedStore(t)
 	bg := context.Background()
 	if err := s.client.Do(bg, s.client.B().ScriptLoad().Script(completeOneScript).Build()).Error(); err != nil {
 		t.Fatal(err)

@@ -126,13 +126,7 @@ func TestCompleteBatchReplicaAckOnFrozenServerEnds(t *testing.T) {
 // context and the caller got an unknown outcome for a completion that had
 // certainly not run.
 func TestLoneCompleteNoScriptCancelledMidCall(t *testing.T) {
-	srv := testenv.StartRedis(t, "")
-	g := startReplyGate(t, srv.Addrs()[0])
-	s, err := Open(rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
+	srv, g, s := gatedStore(t)
 	bg := context.Background()
 	c := claimOne(t, s, "noscript-mid")
 	srv.CLI("script", "flush")
@@ -166,13 +160,7 @@ func TestLoneCompleteNoScriptCancelledMidCall(t *testing.T) {
 // made (acquired, attempt 2), never an error that leaves the key held by
 // a token nobody has, and never not-applied.
 func TestClaimTakeoverCancelledBetweenSteps(t *testing.T) {
-	srv := testenv.StartRedis(t, "")
-	g := startReplyGate(t, srv.Addrs()[0])
-	s, err := Open(rueidis.ClientOption{InitAddress: g.addr(), PipelineMultiplex: -1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
+	_, g, s := gatedStore(t)
 	bg := context.Background()
 	key := dedup.Key{Scope: "rev1", ID: "takeover-mid"}
 	fp := dedup.FingerprintOf([]byte("p"))
