@@ -78,7 +78,7 @@ type PendingBatch struct {
 	b     *batch
 	clean bool
 	done  bool
-	stop  func() // stops the heartbeat; nil if none runs
+	beats bool // a heartbeat runs
 	// The successes and the failures to record, completed by Finish.
 	pending []Completion
 	at      []int   // index into b.claims of each pending completion
@@ -144,8 +144,8 @@ func (pb *PendingBatch) Finish() ([]Result, []error) {
 	}
 	pb.done = true
 	pb.completeAll()
-	if pb.stop != nil {
-		pb.stop()
+	if pb.beats {
+		b.stopHeartbeat()
 	}
 	for _, i := range b.alone {
 		b.res[i], b.errs[i] = b.r.alone(b.ctx, b.reqs, i, b.h)
@@ -184,6 +184,17 @@ type batch struct {
 	mu    sync.Mutex
 	cond  sync.Cond
 	st    []held
+	// The heartbeat (guarded by mu): its timer, when its beat is due, the
+	// context of its extensions (made by the first beat, ended when it
+	// stops: a store that hangs must not hold Finish for as long as the
+	// batch's context lives),
+	// whether it was stopped, and whether a beat is extending claims.
+	hb       *time.Timer
+	due      time.Time
+	hbCtx    context.Context
+	hbCancel context.CancelFunc
+	stopping bool
+	beating  bool
 }
 
 // held is the state of one claim the batch holds.
@@ -278,12 +289,8 @@ func (pb *PendingBatch) runHandlers(ext Extender) {
 	r := b.r
 	pb.clean = len(b.claims) == len(b.reqs)
 	if len(b.claims) > 1 {
-		stop, stopped := make(chan struct{}), make(chan struct{})
-		go b.heartbeat(ext, stop, stopped)
-		pb.stop = func() {
-			close(stop)
-			<-stopped
-		}
+		b.startHeartbeat(ext)
+		pb.beats = true
 	}
 	pb.pending = make([]Completion, 0, len(b.claims))
 	pb.at = make([]int, 0, len(b.claims))
@@ -323,8 +330,8 @@ func (pb *PendingBatch) runHandlers(ext Extender) {
 			pb.pending, pb.at = append(pb.pending, Completion{Claim: *c, Result: stored}), append(pb.at, j)
 			continue
 		}
-		fctx, cancel := r.finalContext(b.ctx)
-		b.res[i], b.errs[i] = finished(b.res[i], op, nil, herr, r.finish(fctx, c, op, nil))
+		fctx, cancel, detached := r.finalContext(b.ctx)
+		b.res[i], b.errs[i] = finished(b.res[i], op, nil, herr, r.finish(fctx, c, op, nil, detached))
 		cancel()
 	}
 }
@@ -390,54 +397,90 @@ func (b *batch) wait(j int) {
 func (b *batch) abandon(c Claim) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(b.ctx), b.r.cfg.finalizeTimeout)
 	defer cancel()
-	_ = b.r.finish(fctx, &c, "release", nil)
+	_ = b.r.finish(fctx, &c, "release", nil, true)
 }
 
-// heartbeat extends every waiting claim each beat until stop is closed.
-func (b *batch) heartbeat(ext Extender, stop <-chan struct{}, stopped chan<- struct{}) {
-	defer close(stopped)
-	lease := b.r.cfg.lease
-	every := lease / 3
+// startHeartbeat arms the batch's heartbeat: a timer whose function
+// extends every waiting claim and arms it again, each third of the lease
+// (or each heartbeat, when WithHeartbeat is shorter). No goroutine waits
+// for it: one runs only when a beat is due, which a batch that takes less
+// than a beat never has.
+func (b *batch) startHeartbeat(ext Extender) {
+	every := b.r.cfg.lease / 3
 	if hb := b.r.cfg.heartbeat; hb > 0 && hb < every {
 		every = hb
 	}
 	every = max(every, time.Millisecond)
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for {
-		select {
-		case <-stop:
-			return
-		case <-t.C:
-		}
-		for j := range b.claims {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			b.mu.Lock()
-			s := &b.st[j]
-			if !s.waiting || s.lost {
-				b.mu.Unlock()
-				continue
-			}
-			s.busy = true
-			b.mu.Unlock()
-			from := time.Since(b.start)
-			_, err := ext.Extend(b.ctx, b.claims[j], lease)
-			b.mu.Lock()
-			s.busy = false
-			switch {
-			case err == nil:
-				s.from = from
-			case errors.Is(err, ErrLeaseLost):
-				s.lost = true
-			}
-			b.cond.Broadcast()
-			b.mu.Unlock()
-		}
+	b.mu.Lock()
+	b.due = time.Now().Add(every)
+	b.hb = time.AfterFunc(every, func() { b.beat(ext, every) })
+	b.mu.Unlock()
+}
+
+// stopHeartbeat stops the heartbeat, ends the context of an extension in
+// flight and waits for the beat in progress: no extension is in flight or
+// starts once it returns.
+func (b *batch) stopHeartbeat() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.stopping = true
+	b.hb.Stop()
+	if b.hbCancel != nil {
+		b.hbCancel()
 	}
+	for b.beating {
+		b.cond.Wait()
+	}
+}
+
+// beat extends every waiting claim, one at a time, unless the heartbeat
+// stopped, and arms the next beat every after this one was due, as a
+// ticker would: the time the extensions took does not push the beats
+// back (re-armed every after a beat ended, a beat of d would leave a
+// claim every + d without an extension, and one over half the lease is
+// found stale). A beat that took longer than every is followed at once
+// by the next, and the beats go on every from then.
+func (b *batch) beat(ext Extender, every time.Duration) {
+	lease := b.r.cfg.lease
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.stopping {
+		return
+	}
+	b.beating = true
+	if b.hbCtx == nil { // the first beat: a batch that ends before one has none
+		b.hbCtx, b.hbCancel = context.WithCancel(b.ctx)
+	}
+	ctx := b.hbCtx
+	for j := 0; j < len(b.claims) && !b.stopping; j++ {
+		s := &b.st[j]
+		if !s.waiting || s.lost {
+			continue
+		}
+		s.busy = true
+		b.mu.Unlock()
+		from := time.Since(b.start)
+		_, err := ext.Extend(ctx, b.claims[j], lease)
+		b.mu.Lock()
+		s.busy = false
+		switch {
+		case err == nil:
+			s.from = from
+		case errors.Is(err, ErrLeaseLost):
+			s.lost = true
+		}
+		b.cond.Broadcast()
+	}
+	b.beating = false
+	if !b.stopping {
+		now := time.Now()
+		b.due = b.due.Add(every)
+		if b.due.Before(now) {
+			b.due = now
+		}
+		b.hb.Reset(b.due.Sub(now))
+	}
+	b.cond.Broadcast()
 }
 
 // completeBatch completes items in one call and emits a finish event for
@@ -446,7 +489,9 @@ func (b *batch) heartbeat(ext Extender, stop <-chan struct{}, stopped chan<- str
 // items are completed one at a time, each with its own tries, since a
 // one-row completion holds a single lock and cannot be part of a
 // deadlock. An item refused alone that way (a store that sends items
-// separately) is retried alone too.
+// separately) is retried alone too. ctx is detached from the batch's and
+// bounded by the finalize timeout (completeAll): its end is not the
+// caller's, and the items completed one at a time share it.
 func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error {
 	start := time.Now()
 	var (
@@ -470,7 +515,7 @@ func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error 
 	case IsTransient(err) && ctx.Err() == nil:
 		errs = make([]error, len(items))
 		for k := range items {
-			errs[k] = r.complete(ctx, &items[k].Claim, items[k].Result)
+			errs[k] = r.complete(ctx, &items[k].Claim, items[k].Result, true)
 		}
 	case err != nil:
 		errs = make([]error, len(items))
@@ -480,7 +525,7 @@ func (r *Runner) completeBatch(ctx context.Context, items []Completion) []error 
 	default:
 		for k, e := range errs {
 			if IsTransient(e) {
-				errs[k] = r.complete(ctx, &items[k].Claim, items[k].Result)
+				errs[k] = r.complete(ctx, &items[k].Claim, items[k].Result, true)
 			}
 		}
 	}

@@ -426,3 +426,196 @@ func TestFinishCompletesThoughCancelledDuring(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchHeartbeatBeatsUntilFinish: while a batch waits for its Finish,
+// its heartbeat extends every waiting claim each third of the lease, beat
+// after beat; Finish waits for a beat in progress, and no extension starts
+// once it returned.
+func TestBatchHeartbeatBeatsUntilFinish(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s, err := memstore.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		var (
+			mu    sync.Mutex
+			calls int
+			hold  chan struct{} // when set, an extension waits for it to close
+		)
+		entered := make(chan struct{}, 1)
+		store := extendHook{Store: s, extend: func(ctx context.Context, c dedup.Claim, lease time.Duration) (dedup.Claim, error) {
+			mu.Lock()
+			calls++
+			h := hold
+			mu.Unlock()
+			if h != nil {
+				select {
+				case entered <- struct{}{}:
+				default:
+				}
+				<-h
+			}
+			return s.Extend(ctx, c, lease)
+		}}
+		count := func() int {
+			mu.Lock()
+			defer mu.Unlock()
+			return calls
+		}
+		r := newRunner(t, store, dedup.WithLease(30*time.Second))
+		reqs := []dedup.ClaimRequest{{Key: k("a")}, {Key: k("b")}, {Key: k("c")}}
+		var h byID
+		pb := r.StartBatch(context.Background(), reqs, h.handler(reqs))
+		time.Sleep(25 * time.Second) // beats at 10 s and 20 s
+		synctest.Wait()
+		if n := count(); n != 6 {
+			t.Fatalf("%d extensions after two beats of three waiting claims, want 6", n)
+		}
+		mu.Lock()
+		hold = make(chan struct{})
+		mu.Unlock()
+		time.Sleep(5 * time.Second) // the third beat, at 30 s, waits in its first extension
+		<-entered
+		finished := make(chan struct{})
+		go func() {
+			defer close(finished)
+			pb.Finish()
+		}()
+		synctest.Wait()
+		select {
+		case <-finished:
+			t.Fatal("Finish returned while an extension was in flight")
+		default:
+		}
+		close(hold)
+		<-finished
+		n := count()
+		time.Sleep(time.Minute)
+		synctest.Wait()
+		if m := count(); m != n {
+			t.Fatalf("%d extensions after Finish returned", m-n)
+		}
+		for _, q := range reqs {
+			if h.count(q.Key.ID) != 1 {
+				t.Fatalf("%s ran %d times", q.Key.ID, h.count(q.Key.ID))
+			}
+		}
+	})
+}
+
+// TestBatchHeartbeatKeepsItsCadenceWhenExtensionsTakeTime: a beat that
+// takes time (each extension a round trip) does not push the next one
+// back: beats start each third of the lease, as a ticker's would, so a
+// claim is extended every third of the lease however long a beat takes
+// (under a third), and is not found stale when its turn comes. Here three
+// claims wait while the first handler runs for 41.5 s of a 30 s lease,
+// each extension taking 2 s: beats at 10, 20, 30 and 40 s keep b's last
+// extension at most 10 s old; beats re-armed a third of the lease after
+// the previous one ended (10, 26, 42 s) leave b 15.5 s without one when
+// it runs, over half the lease: it is released and done alone.
+func TestBatchHeartbeatKeepsItsCadenceWhenExtensionsTakeTime(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s, err := memstore.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		store := extendHook{Store: s, extend: func(ctx context.Context, c dedup.Claim, lease time.Duration) (dedup.Claim, error) {
+			time.Sleep(2 * time.Second) // the round trip
+			return s.Extend(ctx, c, lease)
+		}}
+		r := newRunner(t, store, dedup.WithLease(30*time.Second))
+		reqs := []dedup.ClaimRequest{{Key: k("a")}, {Key: k("b")}, {Key: k("c")}, {Key: k("d")}}
+		var mu sync.Mutex
+		runs := map[string]int{}
+		pb := r.StartBatch(context.Background(), reqs, func(ctx context.Context, i int, c dedup.Claim) ([]byte, error) {
+			mu.Lock()
+			runs[reqs[i].Key.ID]++
+			mu.Unlock()
+			if i == 0 {
+				time.Sleep(41*time.Second + 500*time.Millisecond)
+			}
+			return nil, nil
+		})
+		clean, alone := pb.Clean(), pb.RunsHandlers()
+		_, errs := pb.Finish()
+		for i, err := range errs {
+			if err != nil {
+				t.Errorf("%s: %v", reqs[i].Key.ID, err)
+			}
+		}
+		if !clean || alone {
+			t.Fatalf("clean %v, runs handlers alone %v: a waiting claim went stale while beats extended it", clean, alone)
+		}
+		for _, q := range reqs {
+			if runs[q.Key.ID] != 1 {
+				t.Fatalf("%s ran %d times", q.Key.ID, runs[q.Key.ID])
+			}
+		}
+	})
+}
+
+// TestBatchFinishDoesNotWaitOnAHungExtension: Finish stops the heartbeat
+// and waits for a beat in progress, but an extension hung on a frozen
+// store (one that returns only when its context ends, as a driver without
+// a timeout does) must not hold Finish, or the pipeline goroutine that
+// calls it, for as long as the batch's context lives: the batch is done
+// with its claims, so Finish ends the extension's context.
+func TestBatchFinishDoesNotWaitOnAHungExtension(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store, entered := frozenExtends(t)
+		r := newRunner(t, store, dedup.WithLease(30*time.Second))
+		reqs := []dedup.ClaimRequest{{Key: k("a")}, {Key: k("b")}, {Key: k("c")}}
+		var h byID
+		ctx, cancel := context.WithCancel(context.Background()) // the consumer runs on
+		defer cancel()
+		pb := r.StartBatch(ctx, reqs, h.handler(reqs))
+		<-entered // the first beat, at 10 s, hangs in its first extension
+		_, errs := pb.Finish()
+		for i, err := range errs {
+			if err != nil {
+				t.Errorf("%s: %v", reqs[i].Key.ID, err)
+			}
+		}
+	})
+}
+
+// TestDoHeartbeatDoesNotHoldDoOnAHungExtension: Do's heartbeat
+// (WithHeartbeat) must not hold Do, once its handler returned, for as
+// long as ctx lives because an extension hangs on a frozen store: the
+// handler is done with its claim, so Do ends the extension's context.
+func TestDoHeartbeatDoesNotHoldDoOnAHungExtension(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store, entered := frozenExtends(t)
+		r := newRunner(t, store, dedup.WithLease(30*time.Second), dedup.WithHeartbeat(time.Second))
+		ctx, cancel := context.WithCancel(context.Background()) // the consumer runs on
+		defer cancel()
+		if _, err := r.Do(ctx, k("a"), "", func(ctx context.Context) ([]byte, error) {
+			<-entered // the heartbeat's extension hangs
+			return nil, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// frozenExtends is a memstore whose Extend hangs until its context ends
+// (a frozen store, reached through a driver without a call timeout); the
+// channel receives when the first extension begins.
+func frozenExtends(t *testing.T) (extendHook, <-chan struct{}) {
+	s, err := memstore.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	entered := make(chan struct{}, 1)
+	return extendHook{Store: s, extend: func(ctx context.Context, c dedup.Claim, lease time.Duration) (dedup.Claim, error) {
+		select {
+		case entered <- struct{}{}:
+		default:
+		}
+		<-ctx.Done() // the store froze
+		return dedup.Claim{}, ctx.Err()
+	}}, entered
+}

@@ -157,9 +157,10 @@ func WithClassifier(f func(error) Disposition) RunnerOption {
 }
 
 // WithFinalizeTimeout bounds Complete and Release when the caller's context
-// is already cancelled: they then run on a detached context with this
-// timeout, so that a handler that succeeded just before a cancel is still
-// recorded. Default 10s.
+// is cancelled (before they start, or while a completion runs): they then
+// run on a detached context with this timeout, so that a handler that
+// succeeded just before a cancel is still recorded. A call of Do gets one
+// such timeout, and a batch's completions share one. Default 10s.
 func WithFinalizeTimeout(d time.Duration) RunnerOption {
 	return runnerOption(func(c *runnerConfig) { c.finalizeTimeout = d })
 }
@@ -215,7 +216,9 @@ func NewRunner(s Store, opts ...RunnerOption) (*Runner, error) {
 // means by what it returns. If ctx is cancelled by the time h returns,
 // Complete or Release still runs, on a context detached from ctx and
 // bounded by the finalize timeout, so a success is recorded and a failure
-// is released rather than left to the lease.
+// is released rather than left to the lease. A completion that ctx's end
+// cuts short (during the store's call, or while it waits to try again
+// after a passing refusal) is finished the same way.
 func (r *Runner) Do(ctx context.Context, key Key, fp Fingerprint, h Handler) (Result, error) {
 	return r.do(ctx, key, fp, h, nil)
 }
@@ -236,15 +239,23 @@ func (r *Runner) do(ctx context.Context, key Key, fp Fingerprint, h Handler, ch 
 	}
 	// The claim (144 bytes) goes down by pointer from here: one copy for
 	// the handler, one for the store's Complete, none in between.
-	res, done, err := settled(&c)
-	if done {
+	if c.Outcome != Acquired {
+		res, _, err := settled(&c)
 		return res, err
 	}
+	res := Result{Attempt: c.Attempt, TakenOver: c.TakenOver}
 	out, herr := r.run(ctx, &c, h, ch)
-	fctx, cancel := r.finalContext(ctx)
+	if herr == nil && ctx.Err() == nil && r.cfg.hooks.Empty() {
+		// The common end, as the general one below does it: a success is
+		// completed on ctx (not done: no detached context), with no event
+		// to time or emit.
+		res.Result = out
+		return res, r.complete(ctx, &c, out, false)
+	}
+	fctx, cancel, detached := r.finalContext(ctx)
 	defer cancel()
 	op, stored := r.disposal(out, herr)
-	return finished(res, op, stored, herr, r.finish(fctx, &c, op, stored))
+	return finished(res, op, stored, herr, r.finish(fctx, &c, op, stored, detached))
 }
 
 // claim claims key and emits the claim's events.
@@ -282,12 +293,13 @@ func settled(c *Claim) (res Result, done bool, err error) {
 
 // finalContext returns the context for Complete or Release after the
 // handler: ctx, or when ctx is done, a context detached from it and
-// bounded by the finalize timeout.
-func (r *Runner) finalContext(ctx context.Context) (context.Context, context.CancelFunc) {
+// bounded by the finalize timeout (and detached true).
+func (r *Runner) finalContext(ctx context.Context) (fctx context.Context, cancel context.CancelFunc, detached bool) {
 	if ctx.Err() == nil {
-		return ctx, func() {}
+		return ctx, func() {}, false
 	}
-	return context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+	fctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+	return fctx, cancel, true
 }
 
 // disposal says how the claim of a handler that returned out and herr
@@ -334,7 +346,7 @@ func (r *Runner) run(ctx context.Context, c *Claim, h Handler, ch ClaimHandler) 
 		if p := recover(); p != nil {
 			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
 			defer cancel()
-			_ = r.finish(fctx, c, "release", nil)
+			_ = r.finish(fctx, c, "release", nil, true)
 			panic(p)
 		}
 	}()
@@ -377,11 +389,17 @@ func (r *Runner) run(ctx context.Context, c *Claim, h Handler, ch ClaimHandler) 
 		out, err = h(hctx)
 	}
 	close(done)
+	// The handler is done with its claim: end an extension in flight, so
+	// that a store that hangs does not hold Do for as long as ctx lives.
+	cancel(nil)
 	<-stopped
 	return out, err
 }
 
-func (r *Runner) finish(ctx context.Context, c *Claim, op string, result []byte) error {
+// finish ends c by op ("complete" or "release") on ctx; detached says
+// ctx is already a context detached from the caller's and bounded by the
+// finalize timeout (see complete).
+func (r *Runner) finish(ctx context.Context, c *Claim, op string, result []byte, detached bool) error {
 	observe := !r.cfg.hooks.Empty()
 	var start time.Time
 	if observe {
@@ -390,7 +408,7 @@ func (r *Runner) finish(ctx context.Context, c *Claim, op string, result []byte)
 	var err error
 	switch op {
 	case "complete":
-		err = r.complete(ctx, c, result)
+		err = r.complete(ctx, c, result, detached)
 	case "release":
 		err = r.store.Release(ctx, *c)
 	}
@@ -402,13 +420,47 @@ func (r *Runner) finish(ctx context.Context, c *Claim, op string, result []byte)
 
 // complete completes c, trying again while the store refuses for a
 // passing condition (see [WithCompleteAttempts]).
-func (r *Runner) complete(ctx context.Context, c *Claim, result []byte) error {
+//
+// It starts on ctx, which is live in the common case (no detached context
+// to make), but ctx may end while it runs: during the store's call or in
+// a pause between tries. The effect has happened by then, and a
+// completion left undone would let the key be taken over, and the effect
+// applied again, once the lease ends. So from the moment ctx is seen
+// done, the remaining tries run on a context detached from it and
+// bounded by the finalize timeout; the call that ctx cut short is made
+// again (completing a claim that is already completed with the same
+// result is no change).
+//
+// detached says ctx is already such a context (the caller's had ended
+// before the completion began, or a batch's completion): its end is the
+// finalize timeout's, and it is not detached again, which would give a
+// store that hangs a finalize timeout more each time (one per item of a
+// batch completed one at a time).
+func (r *Runner) complete(ctx context.Context, c *Claim, result []byte, detached bool) error {
 	var err error
-	for try := range r.cfg.completeTries {
+	for try := 0; try < r.cfg.completeTries; try++ {
 		if try > 0 && !pause(ctx, try) {
-			break
+			if detached {
+				break // the finalize timeout ended
+			}
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+			defer cancel()
+			detached = true
+			if !pause(ctx, try) {
+				break
+			}
 		}
-		if err = r.store.Complete(ctx, *c, result, r.cfg.retention); !IsTransient(err) {
+		err = r.store.Complete(ctx, *c, result, r.cfg.retention)
+		if err != nil && !detached && ctx.Err() != nil {
+			// Cut short by ctx's end: make this try again, detached.
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+			defer cancel()
+			detached = true
+			err = r.store.Complete(ctx, *c, result, r.cfg.retention)
+		}
+		if !IsTransient(err) {
 			return err
 		}
 	}

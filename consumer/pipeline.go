@@ -2,9 +2,8 @@ package consumer
 
 import (
 	"context"
+	"slices"
 	"sync"
-
-	"github.com/dedupkit/dedup"
 )
 
 // A Pipeline runs batches of messages as [Processor.ProcessBatch] does,
@@ -55,20 +54,25 @@ type Pipeline struct {
 	wg    sync.WaitGroup
 
 	mu      sync.Mutex
-	tail    chan struct{}     // closed when the last batch submitted was decided
-	keys    map[dedup.Key]int // keys of the batches in flight, counted
-	barrier bool              // the last batch submitted runs handlers after its own
+	tail    chan struct{} // closed when the last batch submitted was decided
+	flight  []*batchRun   // the batches in flight, whose keys a batch must not overtake
+	barrier bool          // the last batch submitted runs handlers after its own
+	// free holds the batchRuns of batches decided whose done returned:
+	// the next batches are prepared in their memory (at most depth + 1
+	// exist: depth in flight and one being prepared).
+	free []*batchRun
 }
 
 // NewPipeline returns a pipeline of p with at most depth batches in flight
 // (at least 1; 1 runs the batches one after the other, as ProcessBatch).
 func (p *Processor) NewPipeline(depth int) *Pipeline {
-	return &Pipeline{p: p, slots: make(chan struct{}, max(depth, 1)), keys: make(map[dedup.Key]int)}
+	return &Pipeline{p: p, slots: make(chan struct{}, max(depth, 1))}
 }
 
 // Submit claims the batch ms and runs its handlers, then returns while
 // the batch's completion and decisions go on: done gets the decisions, one
-// per message in the order of ms, as ProcessBatch returns them. Submit
+// per message in the order of ms, as ProcessBatch returns them (a new
+// slice, done's to keep). Submit
 // reports whether the batch was clean: every message was claimed with the
 // batch and its handler succeeded, so that only its completion can still
 // turn a decision into a Retry. An adapter that stops at a Retry (a Kafka
@@ -82,24 +86,22 @@ func (pl *Pipeline) Submit(ctx context.Context, ms []*Message, done func([]Decis
 		done(p.ProcessBatch(ctx, ms))
 		return false
 	}
-	st := p.prepare(ms)
 	pl.mu.Lock()
-	wait := pl.barrier
-	for _, k := range st.keys {
-		if pl.keys[k] > 0 {
-			wait = true
-			break
-		}
+	var mem *batchRun
+	if n := len(pl.free); n > 0 {
+		mem, pl.free = pl.free[n-1], pl.free[:n-1]
 	}
+	pl.mu.Unlock()
+	st := p.prepare(mem, ms)
+	pl.mu.Lock()
+	wait := pl.barrier || pl.overlaps(st)
 	pl.mu.Unlock()
 	if wait {
 		pl.Wait()
 	}
 	pl.slots <- struct{}{}
 	pl.mu.Lock()
-	for _, k := range st.keys {
-		pl.keys[k]++
-	}
+	pl.flight = append(pl.flight, st)
 	pl.mu.Unlock()
 
 	st.start(ctx, p)
@@ -118,15 +120,37 @@ func (pl *Pipeline) Submit(ctx context.Context, ms []*Message, done func([]Decis
 		}
 		ds := st.decide(ctx, p)
 		pl.mu.Lock()
-		for _, k := range st.keys {
-			if pl.keys[k]--; pl.keys[k] <= 0 {
-				delete(pl.keys, k)
-			}
-		}
+		pl.flight = slices.DeleteFunc(pl.flight, func(f *batchRun) bool { return f == st })
 		pl.mu.Unlock()
 		done(ds)
+		// done returned: nothing reads the batch's items, keys or claim
+		// requests any more (the runner's batch finished with them in
+		// Finish, decide before done). The next batch may have them.
+		st.recycle()
+		pl.mu.Lock()
+		pl.free = append(pl.free, st)
+		pl.mu.Unlock()
 	})
 	return clean
+}
+
+// overlaps reports whether a key of st is in a batch in flight. Each
+// batch keeps its keys as a set (prepare's), so the check is one lookup a
+// key for each batch in flight (at most depth), and nothing is counted in
+// and out of a shared map. The caller holds pl.mu.
+func (pl *Pipeline) overlaps(st *batchRun) bool {
+	for _, f := range pl.flight {
+		a, b := st.keys, f.seen // look the smaller set up in the larger
+		if len(f.keys) < len(a) {
+			a, b = f.keys, st.seen
+		}
+		for _, k := range a {
+			if _, ok := b[k]; ok {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // Wait waits until every batch submitted was decided and its done

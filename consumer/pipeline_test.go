@@ -499,3 +499,108 @@ func TestPipelineBatchRunningHandlersLateIsABarrier(t *testing.T) {
 		t.Errorf("second batch decisions %+v", second)
 	}
 }
+
+// orderedGate is a real redisstore whose batch completions each wait for
+// their batch's turn: the completion of batch k (its keys are "k<k>-<i>")
+// waits until proceed[k] is closed.
+type orderedGate struct {
+	*redisstore.Store
+	proceed []chan struct{}
+}
+
+func (g *orderedGate) CompleteBatch(ctx context.Context, items []dedup.Completion, ret time.Duration) ([]error, error) {
+	if len(items) > 0 {
+		id := items[0].Claim.Key.ID
+		k, err := strconv.Atoi(id[1:strings.IndexByte(id, '-')])
+		if err != nil {
+			return nil, err
+		}
+		<-g.proceed[k]
+	}
+	return g.Store.CompleteBatch(ctx, items, ret)
+}
+
+// TestPipelineReusesNoMemoryInFlight: a pipeline prepares later batches
+// in the memory of batches already decided (their items, keys, claim
+// requests and decisions); none may be written while its batch is in
+// flight. On Redis, with three batches in flight: batch k's completion
+// waits until batch k+1 was claimed and ran, and batch k's done waits
+// until batch k+2 was claimed and ran (its decisions are read while later
+// batches are prepared, claimed, run and completed). Every done must see
+// its own batch's decisions, each the Ack of its own message with the
+// result its handler returned, every message runs once, and no memory
+// held for reuse is a batch's in flight, checked after each Submit and in
+// each done. Checked: recycling a batch once its completion returned and
+// before it was decided fails the in-flight check; recycling it once its
+// handlers ran hangs the test (a later batch overlaps itself and waits).
+func TestPipelineReusesNoMemoryInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	const batches, size = 8, 20
+	g := &orderedGate{Store: redistest.Store(t, uniquePrefix(t)), proceed: make([]chan struct{}, batches)}
+	submitted := make([]chan struct{}, batches)
+	for k := range batches {
+		g.proceed[k], submitted[k] = make(chan struct{}), make(chan struct{})
+	}
+	var ran ranLog
+	p, err := consumer.New("pipe-reuse", g, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		ran.add(m.ID, d)
+		return []byte("r:" + m.ID), nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := p.NewPipeline(3)
+	var (
+		mu   sync.Mutex
+		bad  []string
+		seen = map[int]int{}
+	)
+	for k := range batches {
+		ids := make([]string, size)
+		for i := range ids {
+			ids[i] = "k" + strconv.Itoa(k) + "-" + strconv.Itoa(i)
+		}
+		ms := msgs(ids...)
+		pl.Submit(ctx, ms, func(ds []consumer.Decision) {
+			<-submitted[min(k+2, batches-1)] // later batches prepare, claim and run meanwhile
+			mu.Lock()
+			defer mu.Unlock()
+			seen[k]++
+			if pl.ReusesInFlight() {
+				bad = append(bad, "batch "+strconv.Itoa(k)+" decided: the memory of a batch in flight is up for reuse")
+			}
+			if len(ds) != size {
+				bad = append(bad, "batch "+strconv.Itoa(k)+": "+strconv.Itoa(len(ds))+" decisions")
+				return
+			}
+			for i, d := range ds {
+				if d.Action != consumer.Ack || d.Duplicate || d.Key.ID != ids[i] || string(d.Result) != "r:"+ids[i] {
+					bad = append(bad, ids[i]+": "+d.Action.String()+" key "+d.Key.ID+" result "+string(d.Result))
+				}
+			}
+		})
+		if pl.ReusesInFlight() {
+			t.Errorf("batch %d submitted: the memory of a batch in flight is up for reuse", k)
+		}
+		close(submitted[k])
+		if k > 0 {
+			close(g.proceed[k-1]) // batch k was claimed and ran: k-1 may complete
+		}
+	}
+	close(g.proceed[batches-1])
+	pl.Wait()
+	for _, b := range bad {
+		t.Error(b)
+	}
+	for k := range batches {
+		if seen[k] != 1 {
+			t.Errorf("batch %d: done called %d times, want 1", k, seen[k])
+		}
+		for i := range size {
+			if id := "k" + strconv.Itoa(k) + "-" + strconv.Itoa(i); ran.count(id) != 1 {
+				t.Errorf("%s ran %d times, want 1", id, ran.count(id))
+			}
+		}
+	}
+}

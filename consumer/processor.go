@@ -78,12 +78,23 @@ type Processor struct {
 	name  string
 	cfg   config
 	apply func(ctx context.Context, p *Processor, m *Message, key dedup.Key, fp dedup.Fingerprint) (out applied, err error)
-	// startBatch claims items in one batch and runs their handlers (store
-	// mode); finish completes them and fills in what each run did. nil in
-	// inbox mode.
-	startBatch func(ctx context.Context, p *Processor, items []batchItem) (finish func(), pb *dedup.PendingBatch)
+	// runner and h are set in store mode ([New]), which run calls without
+	// apply: a method call, not a closure's, with what it did filled in
+	// place.
+	runner *dedup.Runner
+	h      Handler
+	// startBatch claims st's items in one batch and runs their handlers
+	// (store mode); finish completes them and fills in what each run did.
+	// nil in inbox mode.
+	startBatch func(ctx context.Context, p *Processor, st *batchRun) (finish func(), pb *dedup.PendingBatch)
 	track      *tracker
 
+	// The decision counts are written once a message, by every goroutine
+	// the adapter runs messages on; the fields above are read once a
+	// message by all of them. The padding keeps the counts off the cache
+	// lines of those fields (128 bytes: the adjacent-line prefetch pairs
+	// lines), so that a count does not evict them from the other cores.
+	_                                                    [128]byte
 	applied, duplicates, retries, deadLettered, rejected atomic.Uint64
 	inProgress, storeErrors, reconciled                  atomic.Uint64
 }
@@ -136,29 +147,18 @@ func New(name string, store dedup.Store, h Handler, opts ...Option) (*Processor,
 	if err != nil {
 		return nil, err
 	}
-	// run applies m under the claim c: reconcile if needed, then h.
-	run := func(ctx context.Context, m *Message, key dedup.Key, c dedup.Claim) ([]byte, error) {
-		d := Delivery{Key: key, Attempt: p.track.attempt(key), TakenOver: c.TakenOver}
-		return p.attempt(ctx, m, d, func(ctx context.Context) ([]byte, error) { return h(ctx, m, d) })
-	}
-	p.apply = func(ctx context.Context, p *Processor, m *Message, key dedup.Key, fp dedup.Fingerprint) (applied, error) {
-		var a applied
-		res, err := runner.DoClaim(ctx, key, fp, func(ctx context.Context, c dedup.Claim) ([]byte, error) {
-			a.ran = true
-			return run(ctx, m, key, c)
-		})
-		a.set(res)
-		return a, err
-	}
-	p.startBatch = func(ctx context.Context, p *Processor, items []batchItem) (func(), *dedup.PendingBatch) {
-		reqs := make([]dedup.ClaimRequest, len(items))
+	p.runner, p.h = runner, h
+	p.startBatch = func(ctx context.Context, p *Processor, st *batchRun) (func(), *dedup.PendingBatch) {
+		items := st.items
+		reqs := st.reqs[:0]
 		for j := range items {
-			reqs[j] = dedup.ClaimRequest{Key: items[j].key, Fingerprint: items[j].fp}
+			reqs = append(reqs, dedup.ClaimRequest{Key: items[j].key, Fingerprint: items[j].fp})
 		}
+		st.reqs = reqs
 		pb := runner.StartBatch(ctx, reqs, func(ctx context.Context, j int, c dedup.Claim) ([]byte, error) {
 			it := &items[j]
 			it.a.ran = true
-			return run(ctx, it.m, it.key, c)
+			return p.runHandler(ctx, it.m, it.key, c.TakenOver)
 		})
 		return func() {
 			res, errs := pb.Finish()
@@ -175,6 +175,29 @@ func New(name string, store dedup.Store, h Handler, opts ...Option) (*Processor,
 		}, pb
 	}
 	return p, nil
+}
+
+// applyStore is apply in store mode: m runs under the runner's claim of
+// key, and a says what the run did.
+func (p *Processor) applyStore(ctx context.Context, m *Message, key dedup.Key, fp dedup.Fingerprint, a *applied) error {
+	res, err := p.runner.DoClaim(ctx, key, fp, func(ctx context.Context, c dedup.Claim) ([]byte, error) {
+		a.ran = true
+		return p.runHandler(ctx, m, key, c.TakenOver)
+	})
+	a.set(res)
+	return err
+}
+
+// runHandler applies m (store mode) under a claim that took over an
+// earlier owner or not: reconcile if needed, then the handler. Without a
+// reconciler that is the handler alone (attempt would call it and return
+// what it returns).
+func (p *Processor) runHandler(ctx context.Context, m *Message, key dedup.Key, takenOver bool) ([]byte, error) {
+	d := Delivery{Key: key, Attempt: p.track.attempt(key), TakenOver: takenOver}
+	if p.cfg.reconcile == nil {
+		return p.h(ctx, m, d)
+	}
+	return p.attempt(ctx, m, d, func(ctx context.Context) ([]byte, error) { return p.h(ctx, m, d) })
 }
 
 // disposition maps a failure class to what the runner does with the
@@ -379,7 +402,7 @@ func (p *Processor) ProcessBatch(ctx context.Context, ms []*Message) []Decision 
 		}
 		return ds
 	}
-	st := p.prepare(ms)
+	st := p.prepare(nil, ms)
 	st.start(ctx, p)
 	st.finish()
 	return st.decide(ctx, p)
@@ -387,11 +410,17 @@ func (p *Processor) ProcessBatch(ctx context.Context, ms []*Message) []Decision 
 
 // batchRun is one batch of ProcessBatch (or of a Pipeline) between its
 // steps: the messages, those claimed together, and the batch's finish.
+// A Pipeline keeps its batchRuns once their batch was decided and done
+// returned, and prepares a later batch in one (see recycle): the slices
+// and the key set are then written again, never while a batch that uses
+// them is in flight. The decisions are always new.
 type batchRun struct {
 	ms      []*Message
 	items   []batchItem
 	batched []int // 1 + the message's index in items; 0: processed alone
 	keys    []dedup.Key
+	seen    map[dedup.Key]struct{} // keys, as a set
+	reqs    []dedup.ClaimRequest   // the claims of items, handed to the runner
 	// alone is set when a message is processed alone in its turn with its
 	// handler (its key repeats one earlier in the batch).
 	alone bool
@@ -399,10 +428,25 @@ type batchRun struct {
 	pb    *dedup.PendingBatch
 }
 
-// prepare derives the keys of ms and picks the messages claimed together.
-func (p *Processor) prepare(ms []*Message) *batchRun {
-	st := &batchRun{ms: ms, items: make([]batchItem, 0, len(ms)), batched: make([]int, len(ms)), keys: make([]dedup.Key, 0, len(ms))}
-	seen := make(map[dedup.Key]struct{}, len(ms))
+// prepare derives the keys of ms and picks the messages claimed together,
+// in st's memory (a batchRun recycled) or, with st nil, in new memory.
+func (p *Processor) prepare(st *batchRun, ms []*Message) *batchRun {
+	if st == nil {
+		st = &batchRun{}
+	}
+	st.ms = ms
+	if cap(st.items) < len(ms) {
+		st.items = make([]batchItem, 0, len(ms))
+		st.batched = make([]int, len(ms))
+		st.keys = make([]dedup.Key, 0, len(ms))
+	} else {
+		st.batched = st.batched[:len(ms)]
+		clear(st.batched)
+	}
+	if st.seen == nil {
+		st.seen = make(map[dedup.Key]struct{}, len(ms))
+	}
+	seen := st.seen
 	for i, m := range ms {
 		if m == nil {
 			continue
@@ -411,9 +455,9 @@ func (p *Processor) prepare(ms []*Message) *batchRun {
 		if err != nil {
 			continue // dead-lettered in its turn
 		}
-		_, again := seen[key]
+		n := len(seen)
 		seen[key] = struct{}{}
-		if again {
+		if len(seen) == n { // one map operation, not a lookup and an insert
 			st.alone = true
 			continue
 		}
@@ -427,10 +471,22 @@ func (p *Processor) prepare(ms []*Message) *batchRun {
 	return st
 }
 
+// recycle empties st for the next prepare, once its batch was decided and
+// nothing reads its items, keys or claim requests: it drops every
+// reference to the batch's messages, results and errors, and keeps the
+// memory. The decisions are not recycled: done may keep them.
+func (st *batchRun) recycle() {
+	clear(st.items)
+	clear(st.keys)
+	clear(st.reqs)
+	clear(st.seen)
+	*st = batchRun{items: st.items[:0], batched: st.batched[:0], keys: st.keys[:0], seen: st.seen, reqs: st.reqs[:0]}
+}
+
 // start claims the batch and runs its handlers.
 func (st *batchRun) start(ctx context.Context, p *Processor) {
 	if len(st.items) > 0 {
-		st.fin, st.pb = p.startBatch(ctx, p, st.items)
+		st.fin, st.pb = p.startBatch(ctx, p, st)
 	}
 }
 
@@ -457,7 +513,7 @@ func (st *batchRun) finish() {
 // batch (no valid key, over the delivery limit, or a key repeated) is
 // processed alone in its turn, after the messages before it decided.
 func (st *batchRun) decide(ctx context.Context, p *Processor) []Decision {
-	ds := make([]Decision, len(st.ms))
+	ds := make([]Decision, len(st.ms)) // the caller's to keep: never recycled
 	for i, m := range st.ms {
 		switch {
 		case m == nil:
@@ -465,7 +521,7 @@ func (st *batchRun) decide(ctx context.Context, p *Processor) []Decision {
 			continue
 		case st.batched[i] > 0:
 			it := &st.items[st.batched[i]-1]
-			ds[i] = p.decide(ctx, m, it.key, it.a, it.err)
+			ds[i] = p.decide(ctx, m, it.key, &it.a, it.err)
 		default:
 			ds[i] = p.process(ctx, m)
 		}
@@ -480,12 +536,13 @@ func nilMessage(p *Processor) Decision {
 
 // process is Process without the observer.
 func (p *Processor) process(ctx context.Context, m *Message) Decision {
-	key, fp, d, ok := p.admit(ctx, m)
-	if !ok {
-		return d
+	key, err := p.keyOf(m)
+	if err != nil || p.overDelivered(m) {
+		return p.refuse(ctx, m, key, err)
 	}
-	a, err := p.run(ctx, m, key, fp)
-	return p.decide(ctx, m, key, a, err)
+	var a applied
+	err = p.run(ctx, m, key, p.fingerprintOf(m), &a)
+	return p.decide(ctx, m, key, &a, err)
 }
 
 func (p *Processor) observed(m *Message, d Decision) {
@@ -494,19 +551,16 @@ func (p *Processor) observed(m *Message, d Decision) {
 	}
 }
 
-// admit derives m's key and fingerprint; ok is false when m must not run,
-// and d is then its decision (a dead letter).
-func (p *Processor) admit(ctx context.Context, m *Message) (key dedup.Key, fp dedup.Fingerprint, d Decision, ok bool) {
-	key, err := p.keyOf(m)
-	if err != nil {
-		return key, "", p.deadLetter(ctx, m, key, ClassPermanent, 1, fmt.Errorf("no valid dedup key: %w", err)), false
+// refuse decides for a message that must not run: its key (derived as
+// key, with keyErr) is not valid, or it was delivered too often. It is
+// dead-lettered.
+func (p *Processor) refuse(ctx context.Context, m *Message, key dedup.Key, keyErr error) Decision {
+	if keyErr != nil {
+		return p.deadLetter(ctx, m, key, ClassPermanent, 1, fmt.Errorf("no valid dedup key: %w", keyErr))
 	}
-	if p.overDelivered(m) {
-		n, _ := p.track.fail(key, p.cfg.clock.Now(), false)
-		return key, "", p.deadLetter(ctx, m, key, ClassPermanent, n,
-			fmt.Errorf("delivered %d times, over the limit of %d (the process may have crashed on it)", m.Delivery, p.cfg.maxDeliver)), false
-	}
-	return key, p.fingerprintOf(m), Decision{}, true
+	n, _ := p.track.fail(key, p.cfg.clock.Now(), false)
+	return p.deadLetter(ctx, m, key, ClassPermanent, n,
+		fmt.Errorf("delivered %d times, over the limit of %d (the process may have crashed on it)", m.Delivery, p.cfg.maxDeliver))
 }
 
 func (p *Processor) fingerprintOf(m *Message) dedup.Fingerprint {
@@ -523,7 +577,7 @@ func (p *Processor) overDelivered(m *Message) bool {
 }
 
 // decide turns what a run did into the decision.
-func (p *Processor) decide(ctx context.Context, m *Message, key dedup.Key, a applied, err error) Decision {
+func (p *Processor) decide(ctx context.Context, m *Message, key dedup.Key, a *applied, err error) Decision {
 	if err != nil {
 		return p.failed(ctx, m, key, a, err)
 	}
@@ -541,7 +595,7 @@ func (p *Processor) decide(ctx context.Context, m *Message, key dedup.Key, a app
 }
 
 // failed decides for a run that returned err.
-func (p *Processor) failed(ctx context.Context, m *Message, key dedup.Key, a applied, err error) Decision {
+func (p *Processor) failed(ctx context.Context, m *Message, key dedup.Key, a *applied, err error) Decision {
 	if a.recorded && ClassOf(err) == ClassBusiness {
 		// Store mode: the rejection was recorded and the runner returns
 		// the handler's error alongside.
@@ -602,13 +656,17 @@ func (p *Processor) retry(m *Message, key dedup.Key, d Decision) Decision {
 // run calls apply and turns a handler panic into a permanent failure. The
 // store-mode runner has already released the claim; the inbox has rolled
 // back.
-func (p *Processor) run(ctx context.Context, m *Message, key dedup.Key, fp dedup.Fingerprint) (a applied, err error) {
+func (p *Processor) run(ctx context.Context, m *Message, key dedup.Key, fp dedup.Fingerprint, a *applied) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			a, err = applied{ran: true}, panicked(r)
+			*a, err = applied{ran: true}, panicked(r)
 		}
 	}()
-	return p.apply(ctx, p, m, key, fp)
+	if p.runner != nil {
+		return p.applyStore(ctx, m, key, fp, a)
+	}
+	*a, err = p.apply(ctx, p, m, key, fp)
+	return err
 }
 
 // panicked is the failure of a handler that panicked with v: permanent.

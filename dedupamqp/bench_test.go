@@ -140,19 +140,31 @@ func benchConsume(b *testing.B, prefetch, conc int) {
 }
 
 // BenchmarkConsumeRotated runs BenchmarkConsume's cases bare, memstore,
-// redis-floor2 and redis in one process, in rounds (one round per b.N),
-// each round in another order (its start rotated by one), each case on a
-// fresh queue of DEDUP_BENCH_MSGS messages (default 20,000) published
-// before its clock starts, after one uncounted warm-up pass of every case
-// on up to 2,000 messages. It reports each case's median rate and the
-// medians of memstore / bare and redis / redis-floor2 taken within each
-// round, twice: over the whole consume (the adapter's includes Run's
-// dial, channels, queue declarations and QoS, the bare consumer's only
-// its Consume call: a fixed cost counted against the adapter alone) and,
-// with the suffix -steady, from the first delivery in hand to the last
-// ack, which leaves that start-up out of both; -v logs every round. DEDUP_BENCH_CASES (comma-separated names)
-// runs only those cases; DEDUP_REDIS_ADDR points the Redis cases at a
-// private server.
+// redis-floor2 and redis, and the construction floor redis-direct, in one
+// process, in rounds (one round per b.N), each round in another order (its
+// start rotated by one), each case on a fresh queue of DEDUP_BENCH_MSGS
+// messages (default 20,000) published before its clock starts, after one
+// uncounted warm-up pass of every case on up to 2,000 messages.
+//
+//   - redis-direct: the bare consumer (same prefetch, concurrency and
+//     manual acks) calling redisstore's own Claim before a no-op handler
+//     and Complete after it, then the ack: the cheapest correct Redis
+//     dedup (a completion fenced by the claim's token), on the key, lease
+//     and retention the adapter's processor uses, with no Processor, no
+//     envelope and no adapter. What the redis case pays above it is the
+//     adapter's and the processor's own cost.
+//
+// It reports each case's median rate and the medians (with the minimum
+// and maximum) of the ratios taken within each round: memstore / bare,
+// redis-direct / redis-floor2, redis / redis-floor2 and redis /
+// redis-direct (metrics named case/baseline-x), twice: over the whole
+// consume (the adapter's includes Run's dial, channels, queue
+// declarations and QoS, the bare consumer's only its Consume call: a
+// fixed cost counted against the adapter alone) and, with the suffix
+// -steady, from the first delivery in hand to the last ack, which leaves
+// that start-up out of both; -v logs every round. DEDUP_BENCH_CASES
+// (comma-separated names) runs only those cases; DEDUP_REDIS_ADDR points
+// the Redis cases at a private server.
 //
 //	go test -c -o /tmp/a.test ./dedupamqp/
 //	/tmp/a.test -test.run '^$' -test.bench BenchmarkConsumeRotated -test.benchtime 6x -test.v
@@ -213,6 +225,16 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 				})
 			})
 		}},
+		{"redis-direct", func() [2]float64 {
+			s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(unique("bench")+":"))
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer s.Close()
+			return run(func(q string) consumeSpan {
+				return bareConsumeN(b, url, q, n, false, prefetch, conc, directWork(b, s))
+			})
+		}},
 		{"redis", func() [2]float64 {
 			s, err := redisstore.Open(rueidis.ClientOption{InitAddress: addrs}, redisstore.WithPrefix(unique("bench")+":"))
 			if err != nil {
@@ -225,7 +247,9 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 	if only := os.Getenv("DEDUP_BENCH_CASES"); only != "" {
 		cases = slices.DeleteFunc(cases, func(c benchCase) bool { return !slices.Contains(strings.Split(only, ","), c.name) })
 	}
-	baseline := map[string]string{"memstore": "bare", "redis": "redis-floor2"}
+	// Each case's baselines: its ratios are over each of them, within a
+	// round.
+	baseline := map[string][]string{"memstore": {"bare"}, "redis-direct": {"redis-floor2"}, "redis": {"redis-floor2", "redis-direct"}}
 	// A warm-up: each case once on a short queue, not counted, so that
 	// the process's first connections and allocations fall on no round.
 	full := n
@@ -234,7 +258,8 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 		c.run()
 	}
 	n = full
-	// Per case, [0] over the whole consume, [1] from the first delivery.
+	// Per case, [0] over the whole consume, [1] from the first delivery;
+	// ratios per "case/baseline".
 	rates := [2]map[string][]float64{{}, {}}
 	ratios := [2]map[string][]float64{{}, {}}
 	for round := 0; b.Loop(); round++ {
@@ -249,10 +274,12 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 			for _, c := range cases {
 				rates[w][c.name] = append(rates[w][c.name], got[c.name][w])
 				line += fmt.Sprintf(" %s %.0f", c.name, got[c.name][w])
-				if base, ok := baseline[c.name]; ok && got[base][w] > 0 {
-					r := got[c.name][w] / got[base][w]
-					ratios[w][c.name] = append(ratios[w][c.name], r)
-					line += fmt.Sprintf(" (%.2fx %s)", r, base)
+				for _, base := range baseline[c.name] {
+					if got[base][w] > 0 {
+						r := got[c.name][w] / got[base][w]
+						ratios[w][c.name+"/"+base] = append(ratios[w][c.name+"/"+base], r)
+						line += fmt.Sprintf(" (%.2fx %s)", r, base)
+					}
 				}
 			}
 			b.Log(line)
@@ -270,14 +297,40 @@ func benchConsumeRotated(b *testing.B, n, prefetch, conc int) {
 	for w, suffix := range []string{"", "-steady"} {
 		for _, c := range cases {
 			b.ReportMetric(median(rates[w][c.name]), c.name+suffix+"-msgs/s")
-			if r := ratios[w][c.name]; len(r) > 0 {
-				b.ReportMetric(median(r), c.name+suffix+"-x")
-				b.ReportMetric(slices.Min(r), c.name+suffix+"-x-min")
-				b.ReportMetric(slices.Max(r), c.name+suffix+"-x-max")
+			for _, base := range baseline[c.name] {
+				if r := ratios[w][c.name+"/"+base]; len(r) > 0 {
+					name := c.name + "/" + base + suffix
+					b.ReportMetric(median(r), name+"-x")
+					b.ReportMetric(slices.Min(r), name+"-x-min")
+					b.ReportMetric(slices.Max(r), name+"-x-max")
+				}
 			}
 		}
 	}
 }
+
+// directWork is the redis-direct case's work for one delivery: the
+// cheapest correct Redis dedup, with nothing of the adapter or the
+// processor around it. It claims the key the adapter's processor claims
+// (scope "bench", the message ID, no fingerprint, the processor's default
+// 30 s lease) with redisstore's own Claim, runs a no-op handler, and
+// completes the claim (fenced by its token) with the retention
+// adapterConsumeN gives the processor; the bare loop acks after it.
+func directWork(b *testing.B, s *redisstore.Store) func(context.Context, *amqp.Delivery) {
+	return func(ctx context.Context, d *amqp.Delivery) {
+		c, err := s.Claim(ctx, dedup.Key{Scope: "bench", ID: d.MessageId}, "", 30*time.Second)
+		if err != nil || c.Outcome != dedup.Acquired {
+			b.Errorf("redis-direct: claim of a new message: %v %v", c.Outcome, err)
+			return
+		}
+		if err := s.Complete(ctx, c, nil, benchRetention); err != nil {
+			b.Errorf("redis-direct: complete: %v", err)
+		}
+	}
+}
+
+// benchRetention is how long the benchmarks' processors keep keys.
+const benchRetention = 10 * time.Minute
 
 // benchQueue declares a queue of b.N messages and deletes it at the end.
 func benchQueue(b *testing.B, url string) string {
@@ -428,7 +481,7 @@ func adapterConsumeN(b *testing.B, url, q string, n int, timed bool, s dedup.Sto
 		firstOnce.Do(func() { first = time.Now() })
 		return nil, nil
 	},
-		consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(10*time.Minute),
+		consumer.WithDeadLetter(&consumer.MemoryDLQ{}), consumer.WithRetention(benchRetention),
 		consumer.WithObserver(func(_ *consumer.Message, d consumer.Decision) {
 			if d.Action == consumer.Ack && done.Add(1) == int64(n) {
 				once.Do(func() { close(all) })

@@ -198,6 +198,10 @@ func WithRetryDelays(ds ...time.Duration) ConsumerOption {
 // the caller's deadline or its client's ConnWriteTimeout, 10s by
 // default), so with a store that stopped answering Close can take that
 // much longer than the drain timeout.
+// A completion that the end of the drain cuts short is finished on a
+// context bounded by the runner's finalize timeout (dedup.WithFinalizeTimeout,
+// passed with consumer.WithRunnerOptions; default 10s), not left in
+// progress, so Close can take up to that much longer too.
 func WithDrainTimeout(d time.Duration) ConsumerOption {
 	return consumerOption(func(c *consumerConfig) { c.drain = d })
 }

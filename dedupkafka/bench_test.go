@@ -247,9 +247,10 @@ func dropTopic(b *testing.B, seeds []string, topic string) {
 // slices are reused as the consumer's are. It returns records/s from the
 // first records to the last commit.
 func floorConsume(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, claim, complete func(ctx context.Context, ids []string) error) float64 {
-	return floorConsumeWith(b, seeds, groupOpts, n, batch, func() (claim, complete func(ctx context.Context, ids []string) error) {
-		return claim, complete
-	})
+	// The worker's results are unnamed: named claim and complete, they
+	// shadowed these and it returned nil, nil (no store writes at all).
+	type write = func(ctx context.Context, ids []string) error
+	return floorConsumeWith(b, seeds, groupOpts, n, batch, func() (write, write) { return claim, complete })
 }
 
 // floorConsumeWith is floorConsume where each partition's goroutine takes
@@ -332,6 +333,18 @@ func floorConsumeWith(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batc
 // poll order) once the poll's completions returned, while the next poll
 // runs. It returns records/s from the first records to the last commit.
 func floorConsumeOverlap(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, claim, complete func(ctx context.Context, ids []string) error) float64 {
+	return floorConsumeOverlapWith(b, seeds, groupOpts, n, batch, func(ctx context.Context, ids []string) (func(ctx context.Context) error, error) {
+		if err := claim(ctx, ids); err != nil {
+			return nil, err
+		}
+		return func(ctx context.Context) error { return complete(ctx, ids) }, nil
+	})
+}
+
+// floorConsumeOverlapWith is floorConsumeOverlap where claim returns the
+// chunk's completion, so that it may keep what the claim returned (the
+// claims' tokens, for redis-direct-overlap) while the next chunk claims.
+func floorConsumeOverlapWith(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batch int, claim func(ctx context.Context, ids []string) (complete func(ctx context.Context) error, err error)) float64 {
 	topic := benchTopic(b, seeds, n)
 	defer dropTopic(b, seeds, topic)
 	cl, err := kgo.NewClient(append(slices.Clone(groupOpts), kgo.SeedBrokers(seeds...), kgo.ConsumerGroup("g-"+topic),
@@ -387,7 +400,8 @@ func floorConsumeOverlap(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, b
 						ms[i], _ = newMessage(r, 1)
 						ids[i] = ms[i].ID
 					}
-					if err := claim(ctx, ids); err != nil {
+					complete, err := claim(ctx, ids)
+					if err != nil {
 						failed.Store(err)
 						return
 					}
@@ -397,7 +411,7 @@ func floorConsumeOverlap(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, b
 					done := make(chan struct{})
 					go func() {
 						defer close(done)
-						if err := complete(ctx, ids); err != nil {
+						if err := complete(ctx); err != nil {
 							failed.Store(err)
 						}
 					}()
@@ -477,6 +491,62 @@ func oursConsumeDepth(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batc
 	return float64(n) / took.Seconds()
 }
 
+// directRedis is the cheapest correct dedup of a chunk on redisstore, the
+// construction floor of the redis cases: redisstore's own ClaimBatch of
+// the chunk's keys as the processor derives them (a scope, the message
+// IDs), no fingerprint and the processor's default lease, the no-op
+// handlers, then CompleteBatch of the chunk's claims with no result and
+// the default retention, each completion fenced by its claim's token as
+// the contract requires. No processor, no runner, no pipeline. Every key
+// is new: anything but Acquired is an error.
+type directRedis struct {
+	s     *redisstore.Store
+	scope string
+}
+
+// claim claims the chunk ids and returns its completion.
+func (d directRedis) claim(ctx context.Context, ids []string) (complete func(ctx context.Context) error, err error) {
+	reqs := make([]dedup.ClaimRequest, len(ids))
+	for i, id := range ids {
+		reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: d.scope, ID: id}}
+	}
+	cs, err := d.s.ClaimBatch(ctx, reqs, directLease)
+	if err != nil {
+		return nil, err
+	}
+	items := make([]dedup.Completion, len(cs))
+	for i, c := range cs {
+		if c.Outcome != dedup.Acquired {
+			return nil, fmt.Errorf("direct floor: %s claimed %s, want acquired", ids[i], c.Outcome)
+		}
+		items[i] = dedup.Completion{Claim: c}
+	}
+	return func(ctx context.Context) error {
+		errs, err := d.s.CompleteBatch(ctx, items, directRetention)
+		if err != nil {
+			return err
+		}
+		for _, err := range errs {
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	}, nil
+}
+
+// worker is run as floorConsumeWith's claim and complete: the chunk's
+// claims are kept for its completion.
+func (d directRedis) worker() (claim, complete func(ctx context.Context, ids []string) error) {
+	var fin func(ctx context.Context) error
+	claim = func(ctx context.Context, ids []string) (err error) {
+		fin, err = d.claim(ctx, ids)
+		return err
+	}
+	complete = func(ctx context.Context, _ []string) error { return fin(ctx) }
+	return claim, complete
+}
+
 // BenchmarkFloors compares, in one process on one in-process kfake
 // cluster, records/s through the dedupkafka consumer against the floor of
 // each case (floorConsume: the same consumer loop, envelope, handler and
@@ -499,7 +569,14 @@ func oursConsumeDepth(b *testing.B, seeds []string, groupOpts []kgo.Opt, n, batc
 //     redis-floor-overlap: the redis floor's writes with ours' overlap
 //     (floorConsumeOverlap: a chunk's SET pipeline in flight while the
 //     next chunk's SET NX runs, across polls too, each poll committed
-//     once its SETs returned); ours is measured against both floors.
+//     once its SETs returned). redis-direct is redis's construction
+//     floor: redis-floor's loop with redisstore's own ClaimBatch and
+//     CompleteBatch called directly per chunk instead of the plain writes
+//     (directRedis: the processor's lease and retention, no processor, no
+//     pipeline), the cheapest correct dedup on Redis, whose completion is
+//     fenced by each claim's token; redis-direct-overlap is the same
+//     with redis-floor-overlap's overlap (ours pipelines across polls).
+//     Ours is measured against all four.
 //   - pg: WithBatch(100) on pgstore (one ClaimBatch and one CompleteBatch
 //     statement per batch), against pg-floor: per chunk of 100 one
 //     INSERT ... SELECT unnest ON CONFLICT DO NOTHING (the claim rows) and
@@ -652,6 +729,14 @@ func BenchmarkFloors(b *testing.B) {
 			defer redisClean(b, "kfloor-"+suffix+":")
 			return floorConsumeOverlap(b, seeds, groupOpts, storeBenchRecords, batch, redisWrite(true, "pending"), redisWrite(false, "done"))
 		}},
+		{"redis-direct", func(b *testing.B) float64 {
+			defer redisClean(b, "kbench-"+suffix+":")
+			return floorConsumeWith(b, seeds, groupOpts, storeBenchRecords, batch, directRedis{rs, "bench-direct"}.worker)
+		}},
+		{"redis-direct-overlap", func(b *testing.B) float64 {
+			defer redisClean(b, "kbench-"+suffix+":")
+			return floorConsumeOverlapWith(b, seeds, groupOpts, storeBenchRecords, batch, directRedis{rs, "bench-direct"}.claim)
+		}},
 		{"redis", func(b *testing.B) float64 {
 			defer redisClean(b, "kbench-"+suffix+":")
 			return oursConsume(b, seeds, groupOpts, storeBenchRecords, batch, rs)
@@ -669,7 +754,8 @@ func BenchmarkFloors(b *testing.B) {
 			return oursConsume(b, seeds, groupOpts, storeBenchRecords, batch, ps)
 		}},
 	}
-	benchRotate(b, cases, map[string]string{"mem-direct": "mem-floor", "mem": "mem-floor,mem-direct", "mem-batch100": "mem-floor", "redis": "redis-floor,redis-floor-overlap", "redis-depth1": "redis-floor", "redis-floor-overlap": "redis-floor", "pg": "pg-floor"})
+	benchRotate(b, cases, map[string]string{"mem-direct": "mem-floor", "mem": "mem-floor,mem-direct", "mem-batch100": "mem-floor", "redis": "redis-floor,redis-direct,redis-floor-overlap,redis-direct-overlap", "redis-depth1": "redis-floor,redis-direct",
+		"redis-floor-overlap": "redis-floor", "redis-direct": "redis-floor", "redis-direct-overlap": "redis-floor-overlap,redis-direct", "pg": "pg-floor"})
 }
 
 // relayBenchRows is the outbox rows per case of BenchmarkRelay.
@@ -696,6 +782,18 @@ const relayBenchRows = 50000
 //   - relay-linger10ms: the relay through a Publisher given franz-go's
 //     default linger back (kgo.ProducerLinger(10ms)), as before linger 0
 //     became the Publisher's default.
+//   - floor: the construction floor, what any relay of this outbox must
+//     do, written plainly: per-partition reads in id order from the
+//     start of the partition's range (a row committed late below a batch
+//     already sent is found only so), one goroutine per partition under
+//     its lease, and per batch, after its acks, one DELETE fenced by the
+//     lease's epoch (see floor below). The relay is reported against it
+//     beside the bare loops, which read by an id bound no relay may use.
+//
+// With -v each case logs its timed window's CPU: this process's, the
+// machine's and, with DEDUP_BENCH_PG_PID set to a private server's
+// postmaster, PostgreSQL's; with DEDUP_BENCH_PSS=1 (pg_stat_statements on
+// that server) the window's statements. DEDUP_BENCH_CASES runs a subset.
 //
 // The cases rotate in each round (-benchtime Nx = N rounds); the metrics
 // are each case's median rows/s and the relay's median ratio to each loop
@@ -768,6 +866,8 @@ SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x
 	bare := func(b *testing.B, cl *kgo.Client, mark bool) float64 {
 		fill(b)
 		start := time.Now()
+		cpu := cpuWindow()
+		pss := pssWindow(b, pool)
 		inflight := make(chan struct{}, src.Partitions())
 		var wg sync.WaitGroup
 		var failed atomic.Value
@@ -830,7 +930,127 @@ SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x
 				b.Fatal(err)
 			}
 		}
+		b.Logf("bare (mark %v): %s%s", mark, cpu(), pss())
 		return relayBenchRows / time.Since(start).Seconds()
+	}
+	// floor is the construction floor: what any relay of this outbox
+	// must do, written plainly. One goroutine per partition, each under
+	// its lease (taken before the window, released after): read the
+	// partition's first 500 unpublished rows in id order from the start
+	// of its range (rows committed late below a batch already sent are
+	// picked up only so; an id bound would skip them), produce them
+	// asynchronously (Publisher's client, linger 0), wait for every
+	// acknowledgement, then delete the batch's ids in one statement fenced
+	// by the lease's epoch, locked FOR SHARE, and read again; a short read
+	// ends the partition (the whole backlog was committed before the
+	// window). No quarantine check, no retry or failure bookkeeping, no
+	// heartbeat, no read transaction settings.
+	// The partition expression as pgstore's partition index has it
+	// (OutboxSource: hashtextextended(aggregate, 0) mod N), and the lease
+	// table beside the outbox table.
+	part := `((hashtextextended(o.aggregate, 0) & 9223372036854775807) % ` + strconv.Itoa(src.Partitions()) + `)`
+	leaseTable := strings.TrimSuffix(table, `"`) + `_leases"`
+	floorRead := `SELECT o.id, o.message_key, o.aggregate, o.topic, o.payload FROM ` + table + ` o
+WHERE o.published_at IS NULL AND o.quarantined_at IS NULL AND ` + part + ` = $1::int8 ORDER BY o.id LIMIT 500`
+	floorMark := `WITH held AS (SELECT 1 FROM ` + leaseTable + ` WHERE part = $1::int AND owner = $2::text AND epoch = $3::int8 FOR SHARE)
+DELETE FROM ` + table + ` o WHERE ` + part + ` = ($1::int)::int8 AND o.id >= $5::int8 AND o.id <= $6::int8
+	AND o.id = ANY($4::int8[]) AND o.published_at IS NULL AND o.quarantined_at IS NULL AND EXISTS (SELECT 1 FROM held)`
+	floor := func(b *testing.B) float64 {
+		leases := make([]outbox.Lease, src.Partitions())
+		for p := range leases {
+			l, ok, err := src.Acquire(ctx, "kfloor", p, 10*time.Second)
+			for err == nil && !ok { // the relay case's lease, until released or expired
+				time.Sleep(10 * time.Millisecond)
+				l, ok, err = src.Acquire(ctx, "kfloor", p, 10*time.Second)
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+			leases[p] = l
+		}
+		defer func() {
+			for _, l := range leases {
+				if err := src.Release(ctx, l); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}()
+		fill(b)
+		start := time.Now()
+		cpu := cpuWindow()
+		pss := pssWindow(b, pool)
+		var wg sync.WaitGroup
+		var failed atomic.Value
+		var total atomic.Int64
+		for _, l := range leases {
+			wg.Go(func() {
+				cl := pub.Client()
+				for {
+					rows, err := pool.Query(ctx, floorRead, l.Partition)
+					if err != nil {
+						failed.Store(err)
+						return
+					}
+					var batch []*kgo.Record
+					var ids []int64
+					for rows.Next() {
+						var id int64
+						var key, agg, tp string
+						var payload []byte
+						if err := rows.Scan(&id, &key, &agg, &tp, &payload); err != nil {
+							failed.Store(err)
+							rows.Close()
+							return
+						}
+						ids = append(ids, id)
+						batch = append(batch, &kgo.Record{Topic: tp, Key: []byte(agg), Value: payload, Headers: []kgo.RecordHeader{
+							{Key: HeaderMsgID, Value: []byte(key)}, {Key: HeaderAggregate, Value: []byte(agg)}}})
+					}
+					rows.Close()
+					if err := rows.Err(); err != nil {
+						failed.Store(err)
+						return
+					}
+					if len(batch) == 0 {
+						return
+					}
+					var acks sync.WaitGroup
+					acks.Add(len(batch))
+					for _, r := range batch {
+						cl.Produce(ctx, r, func(_ *kgo.Record, err error) {
+							if err != nil {
+								failed.Store(err)
+							}
+							acks.Done()
+						})
+					}
+					acks.Wait()
+					tag, err := pool.Exec(ctx, floorMark, l.Partition, l.Owner, l.Epoch, ids, ids[0], ids[len(ids)-1])
+					if err != nil {
+						failed.Store(err)
+						return
+					}
+					if tag.RowsAffected() != int64(len(ids)) {
+						failed.Store(fmt.Errorf("floor: partition %d marked %d of %d rows", l.Partition, tag.RowsAffected(), len(ids)))
+						return
+					}
+					total.Add(int64(len(ids)))
+					if len(batch) < 500 {
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if err, _ := failed.Load().(error); err != nil {
+			b.Fatal(err)
+		}
+		if n := total.Load(); n != relayBenchRows {
+			b.Fatalf("floor: %d rows marked, want %d", n, relayBenchRows)
+		}
+		took := time.Since(start)
+		b.Logf("floor: %s%s", cpu(), pss())
+		return relayBenchRows / took.Seconds()
 	}
 	pub10, err := NewPublisher(seeds, WithProducerOptions(kgo.ProducerLinger(10*time.Millisecond)))
 	if err != nil {
@@ -852,10 +1072,15 @@ SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x
 		before := rl.Stats().Published
 		fill(b)
 		start := time.Now()
+		cpu := cpuWindow()
+		pss := pssWindow(b, pool)
+		st0 := rl.Stats()
 		for rl.Stats().Published-before < relayBenchRows {
 			time.Sleep(time.Millisecond)
 		}
 		took := time.Since(start)
+		st1 := rl.Stats()
+		b.Logf("relay: %s; fetches %d, batches %d%s", cpu(), st1.Fetches-st0.Fetches, st1.Batches-st0.Batches, pss())
 		cancel()
 		wg.Wait()
 		return relayBenchRows / took.Seconds()
@@ -866,6 +1091,7 @@ SELECT 'evt-' || gen_random_uuid(), 'agg-' || (g % $2), $3, convert_to(repeat('x
 		{"bare-mark", func(b *testing.B) float64 { return bare(b, bareLinger0, true) }},
 		{"relay", func(b *testing.B) float64 { return relay(b, pub) }},
 		{"relay-linger10ms", func(b *testing.B) float64 { return relay(b, pub10) }},
+		{"floor", floor},
 	}
-	benchRotate(b, cases, map[string]string{"relay": "bare-async-produce,bare-linger0,bare-mark", "relay-linger10ms": "bare-async-produce"})
+	benchRotate(b, cases, map[string]string{"relay": "bare-async-produce,bare-linger0,bare-mark,floor", "relay-linger10ms": "bare-async-produce", "floor": "bare-linger0,bare-mark"})
 }

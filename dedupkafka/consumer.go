@@ -513,8 +513,20 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 			c.st.deadLettered.Add(deadLettered)
 		}
 	}()
-	for len(pt.backlog) > 0 && ctx.Err() == nil {
-		r := pt.backlog[0]
+	// The records made final are cut off the backlog once, on the way out,
+	// not one at a time: the partition is a heap object, and each store of
+	// its backlog (a pointer) costs a write barrier while the GC runs.
+	done := 0
+	defer func() {
+		if done == len(pt.backlog) {
+			pt.backlog = nil
+			pt.held = false
+		} else {
+			pt.backlog = pt.backlog[done:]
+		}
+	}()
+	for done < len(pt.backlog) && ctx.Err() == nil {
+		r := pt.backlog[done]
 		m, err := newMessage(r, 1+pt.redeliver)
 		d := consumer.Decision{Err: err}
 		if err == nil {
@@ -545,12 +557,8 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 			deadLettered++
 		}
 		pt.next = kgo.EpochOffset{Epoch: r.LeaderEpoch, Offset: r.Offset + 1}
-		pt.backlog = pt.backlog[1:]
+		done++
 		pt.redeliver = 0
-	}
-	if len(pt.backlog) == 0 {
-		pt.backlog = nil
-		pt.held = false
 	}
 }
 
@@ -611,9 +619,12 @@ func (c *Consumer) drainBatches(ctx, rctx context.Context, pt *part) {
 		}
 		pt.sent += n
 		c.mu.Unlock()
+		// run is what the processor runs: ms, unless a record could not be
+		// read (then errs holds its error and at the index in ms of each
+		// message run); the common batch allocates neither.
 		ms := make([]*consumer.Message, n)
-		errs := make([]error, n)
-		run, at := make([]*consumer.Message, 0, n), make([]int, 0, n)
+		var errs []error
+		var at []int
 		for i, r := range recs {
 			delivery := 1
 			if i == 0 {
@@ -622,10 +633,25 @@ func (c *Consumer) drainBatches(ctx, rctx context.Context, pt *part) {
 			m, err := newMessage(r, delivery)
 			ms[i] = m
 			if err != nil {
+				if errs == nil {
+					errs, at = make([]error, n), make([]int, i, n)
+					for j := range at {
+						at[j] = j
+					}
+				}
 				errs[i] = err // decided in its turn, after the records before it
 				continue
 			}
-			run, at = append(run, m), append(at, i)
+			if at != nil {
+				at = append(at, i)
+			}
+		}
+		run := ms
+		if at != nil {
+			run = make([]*consumer.Message, len(at))
+			for j, i := range at {
+				run[j] = ms[i]
+			}
 		}
 		dec := make(chan struct{})
 		pt.flight = append(pt.flight, dec)
@@ -637,9 +663,12 @@ func (c *Consumer) drainBatches(ctx, rctx context.Context, pt *part) {
 		clean := pt.pl.Submit(rctx, run, func(rds []consumer.Decision) {
 			defer c.batches.Done()
 			defer close(dec)
-			ds := make([]consumer.Decision, n)
-			for j, d := range rds {
-				ds[at[j]] = d
+			ds := rds // the pipeline's, ours to keep
+			if at != nil {
+				ds = make([]consumer.Decision, n)
+				for j, d := range rds {
+					ds[at[j]] = d
+				}
 			}
 			c.decideBatch(ctx, rctx, pt, gen, recs, ms, errs, ds)
 		})
@@ -654,7 +683,7 @@ func (c *Consumer) drainBatches(ctx, rctx context.Context, pt *part) {
 // count gen (ctx is the loop's, which a shutdown ends; rctx the one
 // records run on, see loop): recs are its records (the first of pt.backlog, unless a hold
 // came since), ms their messages, errs the envelope errors of those that
-// could not be read (quarantined now, in their turn), ds the processor's
+// could not be read (quarantined now, in their turn; nil if none), ds the processor's
 // decisions. The records become final in order up to the first Retry,
 // which holds the partition at its record. It runs on the pipeline's
 // goroutine, the batches of a partition one at a time in their order.
@@ -672,7 +701,7 @@ func (c *Consumer) decideBatch(ctx, rctx context.Context, pt *part, gen uint64, 
 	var final, duplicates, deadLettered uint64
 	for i := range recs {
 		d := ds[i]
-		if errs[i] != nil {
+		if errs != nil && errs[i] != nil {
 			c.st.envelope.Add(1)
 			d = c.p.Quarantine(rctx, ms[i], consumer.ClassPermanent, errs[i])
 		}

@@ -331,3 +331,50 @@ func TestNewConsumerArguments(t *testing.T) {
 		t.Errorf("nil processor: %v", err)
 	}
 }
+
+// TestBatchUnreadableRecords: in batch mode, records whose envelope cannot
+// be read (an unparseable version header) in the middle of a batch, and as
+// a batch's first record, are dead-lettered in their turn, and every other
+// record of their batches is applied once and decided in its own place:
+// the processor's decisions (for the records it ran) are matched back to
+// the batch's records past the ones it did not run.
+func TestBatchUnreadableRecords(t *testing.T) {
+	_, seeds := cluster(t, 1, "orders")
+	const n = 40
+	bad := map[int]bool{3: true, 4: true, 10: true, 17: true, 39: true} // in batches of 10 from m0 (as one poll brings them): two mid-batch, a first, a last
+	produce(t, seeds, "orders", n, 4, func(i int, r *kgo.Record) {
+		if bad[i] {
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: HeaderVersion, Value: []byte("x")})
+		}
+	})
+	eff := newEffects()
+	dlq := &consumer.MemoryDLQ{}
+	c := newConsumer(t, seeds, "g", "orders", processor(t, nil, eff, nil, consumer.WithDeadLetter(dlq)), WithBatch(10))
+	stop := run(t, c)
+	allCommitted(t, seeds, "g", "orders")
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	eff.mu.Lock()
+	for i := range n {
+		id := fmt.Sprintf("m%d", i)
+		if want := map[bool]int{false: 1, true: 0}[bad[i]]; eff.n[id] != want {
+			t.Errorf("%s took effect %d times, want %d", id, eff.n[id], want)
+		}
+	}
+	eff.mu.Unlock()
+	dls, err := dlq.List(context.Background(), "", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, d := range dls {
+		got = append(got, d.Message.ID)
+	}
+	if want := []string{"m3", "m4", "m10", "m17", "m39"}; !slices.Equal(got, want) {
+		t.Errorf("dead letters %v, want %v", got, want)
+	}
+	if st := c.Stats(); st.Final != n || st.EnvelopeErrors != uint64(len(bad)) || st.DeadLettered != uint64(len(bad)) {
+		t.Errorf("stats %+v, want %d final, %d envelope errors and dead letters", st, n, len(bad))
+	}
+}

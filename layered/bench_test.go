@@ -269,3 +269,100 @@ func BenchmarkRotated(b *testing.B) {
 		}))
 	})
 }
+
+// setFloor is the cheapest way to keep a shared Redis record of completed
+// keys current: no lookups, no gate, no encoding; one plain SET PX of a
+// value the size of the filter's (a 7-byte expiry and an empty
+// fingerprint) per new key, queued to one background goroutine that
+// batches what arrives within the filter's 10 ms linger into one
+// pipeline, as the layered store's writer does.
+type setFloor struct {
+	client rueidis.Client
+	prefix string
+	ch     chan dedup.Key
+	done   chan struct{}
+}
+
+func newSetFloor(b *testing.B, addrs []string) *setFloor {
+	client, err := rueidis.NewClient(rueidis.ClientOption{InitAddress: addrs})
+	if err != nil {
+		b.Fatal(err)
+	}
+	f := &setFloor{client: client, prefix: fmt.Sprintf("layered-setfloor-%016x:", rand.Uint64()),
+		ch: make(chan dedup.Key, 4096), done: make(chan struct{})}
+	go f.loop()
+	b.Cleanup(func() {
+		close(f.ch)
+		<-f.done
+		client.Close()
+	})
+	return f
+}
+
+func (f *setFloor) queue(k dedup.Key) {
+	select {
+	case f.ch <- k:
+	default:
+	}
+}
+
+func (f *setFloor) loop() {
+	defer close(f.done)
+	value := rueidis.BinaryString([]byte{0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0})
+	cmds := make(rueidis.Commands, 0, 256)
+	for k := range f.ch {
+		time.Sleep(10 * time.Millisecond)
+		cmds = cmds[:0]
+		for {
+			cmds = append(cmds, f.client.B().Set().Key(f.prefix+strconv.Itoa(len(k.Scope))+":"+k.Scope+":"+k.ID).
+				Value(value).PxMilliseconds(time.Hour.Milliseconds()).Build())
+			if len(cmds) == cap(cmds) {
+				break
+			}
+			var ok bool
+			select {
+			case k, ok = <-f.ch:
+			default:
+			}
+			if !ok {
+				break
+			}
+		}
+		f.client.DoMulti(context.Background(), cmds...)
+	}
+}
+
+// BenchmarkFilterFloor measures what the Redis filter costs against the
+// floor of any shared filter that other instances can read: the window +
+// PostgreSQL Apply configuration, the same with setFloor's one background
+// SET per new key (window+setfloor+store), and window + the Redis filter
+// + store, rotated in one process on the 50%-duplicate stream. The window
+// catches every duplicate here, so the filter's lookups back off and what
+// the filter adds over window + store is its write; the floor case shows
+// what that write costs at the least.
+// Run: go test -run '^$' -bench FilterFloor -benchtime 40x ./layered/
+func BenchmarkFilterFloor(b *testing.B) {
+	s, insert := pgBench(b)
+	durable := func(ctx context.Context, key dedup.Key, id string) (dedup.Claim, error) {
+		var batch pgx.Batch
+		batch.Queue(insert, id)
+		return s.Apply(ctx, key, "", time.Hour, nil, &batch)
+	}
+	winOnly, winFilter, _ := fastLayers(b)
+	winFloor, _, _ := fastLayers(b)
+	floor := newSetFloor(b, testenv.Addrs(b, "DEDUP_REDIS_ADDR", "127.0.0.1:6379", "Redis"))
+	rotatedStream(b, 100, []streamCase{
+		layeredCase("window+store", winOnly, durable),
+		layeredCase("window+setfloor+store", winFloor, func(ctx context.Context, key dedup.Key, id string) (dedup.Claim, error) {
+			c, err := durable(ctx, key, id)
+			if err == nil && c.Outcome == dedup.Acquired {
+				floor.queue(key)
+			}
+			return c, err
+		}),
+		layeredCase("window+redisfilter+store", winFilter, durable),
+	})
+	// The filter's lookups in the run: the gate starts open (32 lookups),
+	// then probes one window miss in 32, backing off to one in 1024.
+	b.ReportMetric(float64(winFilter.Stats().Lookups)/float64(b.N*50), "lookups/new")
+}

@@ -618,7 +618,7 @@ func (s *Store) validateClaim(key dedup.Key, fp dedup.Fingerprint, lease time.Du
 }
 
 // Claim implements [dedup.Store].
-func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (dedup.Claim, error) {
+func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, lease time.Duration) (c dedup.Claim, err error) {
 	if err := s.validateClaim(key, fp, lease); err != nil {
 		return dedup.Claim{}, err
 	}
@@ -627,7 +627,10 @@ func (s *Store) Claim(ctx context.Context, key dedup.Key, fp dedup.Fingerprint, 
 	}
 	p := parsePrint(fp)
 	h, sh := s.hash(key.ID)
-	return s.claimIn(sh, key, h, &p, lease, s.now())
+	// The claim (144 bytes) is written once, in place, not returned up
+	// through the calls below.
+	err = s.claimIn(sh, key, h, &p, lease, s.now(), &c)
+	return c, err
 }
 
 // errOverBytes is the ErrFull of a claim that the byte bound refused
@@ -639,16 +642,18 @@ var errOverBytes = fmt.Errorf("%w: over the byte bound", dedup.ErrFull)
 // free, the other shards free expired records (and, unless strict, evict
 // as a full store does), one at a time so that no two shard locks are
 // ever held together, and the claim is tried once more.
-func (s *Store) claimIn(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
+//
+// The claim is written to c, which is left as it was on an error.
+func (s *Store) claimIn(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64, c *dedup.Claim) error {
 	sh.mu.Lock()
-	c, err := s.claimLocked(sh, key, h, p, lease, now)
+	err := s.claimLocked(sh, key, h, p, lease, now, c)
 	sh.mu.Unlock()
 	if err != nil && errors.Is(err, errOverBytes) && s.freeElsewhere(sh, recordSize(key, p), now) {
 		sh.mu.Lock()
-		c, err = s.claimLocked(sh, key, h, p, lease, now)
+		err = s.claimLocked(sh, key, h, p, lease, now, c)
 		sh.mu.Unlock()
 	}
-	return c, err
+	return err
 }
 
 // freeElsewhere makes room for size bytes in the shards other than skip,
@@ -681,7 +686,8 @@ func recordSize(key dedup.Key, p *print) int64 {
 	return size
 }
 
-func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64) (dedup.Claim, error) {
+// claimLocked is claimIn under sh's lock.
+func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease time.Duration, now int64, c *dedup.Claim) error {
 	sid, known := sh.scopeID(key.Scope)
 	var pos uint64
 	if known {
@@ -693,12 +699,15 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 			live, completed := r.until > now, r.completed()
 			switch {
 			case (live || !completed) && !r.matches(p):
-				return dedup.Claim{Key: key, Outcome: dedup.Mismatch}, nil
+				*c = dedup.Claim{Key: key, Outcome: dedup.Mismatch}
+				return nil
 			case completed && live:
-				return dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt()),
-					Result: clone(r.result()), ExpiresAt: s.time(r.until)}, nil
+				*c = dedup.Claim{Key: key, Outcome: dedup.Duplicate, Attempt: int(r.attempt()),
+					Result: clone(r.result()), ExpiresAt: s.time(r.until)}
+				return nil
 			case live:
-				return dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt()), LeaseUntil: s.time(r.until)}, nil
+				*c = dedup.Claim{Key: key, Outcome: dedup.InProgress, Attempt: int(r.attempt()), LeaseUntil: s.time(r.until)}
+				return nil
 			}
 			token, until := newToken(), dedup.DeadlineNanos(now, lease)
 			attempt := int32(1)
@@ -715,8 +724,9 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 				// fingerprint is the new claim's.
 				s.addBytes(sh, r.acquire(p, token, until, attempt))
 			}
-			return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: int(attempt),
-				TakenOver: attempt > 1, LeaseUntil: s.time(until)}, nil
+			*c = dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: int(attempt),
+				TakenOver: attempt > 1, LeaseUntil: s.time(until)}
+			return nil
 		}
 	}
 	// A new key. Making room or growing the table moves slots and may
@@ -724,14 +734,14 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 	moved := !known
 	if sh.n >= s.perShard {
 		if err := s.makeRoom(sh, now); err != nil {
-			return dedup.Claim{}, err
+			return err
 		}
 		moved = true
 	}
 	if s.maxBytes > 0 {
 		if size := recordSize(key, p); s.bytes.Load()+size > s.maxBytes {
 			if err := s.fitBytes(sh, size, now); err != nil {
-				return dedup.Claim{}, err
+				return err
 			}
 			moved = true
 		}
@@ -757,7 +767,8 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 	r.setKey(key.ID, sid)
 	token, until := newToken(), dedup.DeadlineNanos(now, lease)
 	s.addBytes(sh, RecordOverhead+int64(len(key.Scope)+len(key.ID))+r.acquire(p, token, until, 1))
-	return dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: 1, LeaseUntil: s.time(until)}, nil
+	*c = dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: 1, LeaseUntil: s.time(until)}
+	return nil
 }
 
 // makeRoom frees one slot in a full shard: it samples up to 32 records
@@ -983,8 +994,7 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 		req := &reqs[i]
 		p := parsePrint(req.Fingerprint)
 		h, sh := s.hash(req.Key.ID)
-		c, err := s.claimIn(sh, req.Key, h, &p, lease, now)
-		if err != nil {
+		if err := s.claimIn(sh, req.Key, h, &p, lease, now, &out[i]); err != nil {
 			// The caller gets no claims to complete or release: the keys
 			// acquired so far would stay in progress, owned by nobody,
 			// until their leases end.
@@ -995,7 +1005,6 @@ func (s *Store) ClaimBatch(ctx context.Context, reqs []dedup.ClaimRequest, lease
 			}
 			return nil, err
 		}
-		out[i] = c
 	}
 	return out, nil
 }

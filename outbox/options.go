@@ -100,7 +100,10 @@ func WithBatchSize(n int) Option { return optionFunc(func(c *config) { c.batch =
 func WithLeaseTTL(d time.Duration) Option { return optionFunc(func(c *config) { c.ttl = d }) }
 
 // WithPollInterval sets how often an idle partition reads the table when
-// no notification woke it. Default 1s.
+// no notification woke it. Default 1s. While the relay listens to the
+// source's notifications, an idle partition's polls back off from this
+// interval, doubling, to at most the larger of it and the minimum retry
+// backoff ([WithBackoff]): a new row's notification wakes it at once.
 func WithPollInterval(d time.Duration) Option { return optionFunc(func(c *config) { c.poll = d }) }
 
 // WithPollOnly ignores the source's notifications (LISTEN/NOTIFY does not
@@ -114,7 +117,10 @@ func WithMaxAttempts(n int) Option { return optionFunc(func(c *config) { c.maxAt
 
 // WithBackoff sets the delay before a failed message's next attempt:
 // min, doubling per attempt, at most max. Default 100ms to 1m. The key's
-// later messages wait as long.
+// later messages wait as long. While the relay listens to the source's
+// notifications, min also bounds how far an idle partition's polls back
+// off (see [WithPollInterval]): rows that notify nobody (a retry coming
+// due, an operator's retry) are seen up to max(poll interval, min) late.
 func WithBackoff(min, max time.Duration) Option {
 	return optionFunc(func(c *config) { c.minBackoff, c.maxBackoff = min, max })
 }

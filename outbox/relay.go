@@ -32,9 +32,12 @@ type Relay struct {
 	cfg config
 
 	running atomic.Bool
-	mu      sync.Mutex
-	cancel  context.CancelFunc
-	done    chan struct{}
+	// listening: the source's notifications reach the relay (its
+	// Listen has called wake since it last returned).
+	listening atomic.Bool
+	mu        sync.Mutex
+	cancel    context.CancelFunc
+	done      chan struct{}
 
 	stats struct {
 		published, failed, quarantined, batches, leaseLost, fetches atomic.Int64
@@ -389,6 +392,8 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 		<-w.stop // the manager sees the new owner on its next beat
 		return nil
 	}
+	// idle is the pause after the next empty read (see idlePause).
+	idle := r.cfg.poll
 	var next []Message // read under the previous batch's publish
 	// A read ahead skips rows committed late below the batch in flight
 	// (they cut their keys): a plain read at least every chainMax picks
@@ -428,11 +433,14 @@ func (r *Relay) work(ctx context.Context, w *worker) error {
 				continue
 			}
 			if len(msgs) == 0 {
-				if !pause(r.cfg.poll) {
+				var d time.Duration
+				d, idle = r.idlePause(idle)
+				if !pause(d) {
 					return nil
 				}
 				continue
 			}
+			idle = r.cfg.poll
 		}
 		reading := pf != nil && len(msgs) == r.cfg.batch && time.Duration(nanotime()-plainAt) < chainMax &&
 			r.stats.held.Load() < readAheadBelow
@@ -641,9 +649,38 @@ func (r *Relay) backoff(attempt int) time.Duration {
 	return min(d, r.cfg.maxBackoff)
 }
 
+// idlePause returns the pause after an empty read, given the pause due
+// (d), and the one due after the next empty read. Without notifications
+// it is the poll interval. While the relay listens, a new row's
+// notification wakes the partition at once, so its polls back off,
+// doubling from the poll interval up to max(poll interval, minimum retry
+// backoff): polls then find only rows that notify nobody (a failed
+// message's retry coming due, an operator's retry of a quarantined one),
+// a minimum backoff late at most. A drained partition so stops reading
+// the table every poll interval while the others work.
+func (r *Relay) idlePause(d time.Duration) (pause, next time.Duration) {
+	if !r.listening.Load() {
+		return r.cfg.poll, r.cfg.poll
+	}
+	ceil := max(r.cfg.poll, r.cfg.minBackoff)
+	d = min(d, ceil)
+	if d > ceil/2 {
+		return d, ceil
+	}
+	return d, 2 * d
+}
+
 func (r *Relay) listen(ctx context.Context, n Notifier, wake func()) {
 	for ctx.Err() == nil {
-		if err := n.Listen(ctx, wake); err != nil && ctx.Err() == nil {
+		err := n.Listen(ctx, func() {
+			r.listening.Store(true)
+			wake()
+		})
+		// Notifications since the connection failed are lost: every
+		// partition reads now and then polls at the poll interval.
+		r.listening.Store(false)
+		wake()
+		if err != nil && ctx.Err() == nil {
 			r.cfg.logger.Warn("outbox relay listen failed; polling meanwhile", "relay", r.cfg.id, "err", err)
 		}
 		select {

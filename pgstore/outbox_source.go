@@ -34,7 +34,7 @@ type OutboxSource struct {
 }
 
 type outboxSQL struct {
-	join, leave, acquire, release, fetch, mark, fail string
+	join, leave, acquire, release, fetch, mark, owned, fail string
 }
 
 var (
@@ -230,7 +230,11 @@ RETURNING epoch, expires_at`,
 		release: `UPDATE ` + leases + ` SET owner = '', expires_at = '-infinity' WHERE part = $1::int AND owner = $2::text AND epoch = $3::int8`,
 		// $4: rows with id <= $4 come without their body (they are the
 		// batch in flight, or late rows that only cut their keys); 0 for a
-		// plain read.
+		// plain read. A row waits behind a quarantined row of its key
+		// (unless $3); the per-row probe of the quarantine index runs only
+		// when the index holds a row (one probe of it per read, q0):
+		// probing the empty index for each row was half of a read's time.
+		// q0 is an InitPlan, evaluated at each execution.
 		fetch: `SELECT o.id, o.aggregate, o.id <= $4::int8,
 	CASE WHEN o.id > $4::int8 THEN o.message_key ELSE '' END,
 	CASE WHEN o.id > $4::int8 THEN o.topic ELSE '' END,
@@ -239,13 +243,30 @@ RETURNING epoch, expires_at`,
 	o.created_at, o.attempts, COALESCE(o.next_attempt_at > ` + now + `, false)
 FROM ` + ob + ` o
 WHERE o.published_at IS NULL AND o.quarantined_at IS NULL AND ` + strings.ReplaceAll(partOf(n), "aggregate", "o.aggregate") + ` = $1::int8
-	AND ($3::bool OR NOT EXISTS (SELECT 1 FROM ` + ob + ` q
+	AND ($3::bool OR NOT EXISTS (SELECT 1 FROM ` + ob + ` q0 WHERE q0.quarantined_at IS NOT NULL AND q0.published_at IS NULL)
+		OR NOT EXISTS (SELECT 1 FROM ` + ob + ` q
 		WHERE q.aggregate = o.aggregate AND q.quarantined_at IS NOT NULL AND q.published_at IS NULL AND q.id < o.id))
 ORDER BY o.id
 LIMIT $2::int`,
-		mark: `WITH ` + held + `,
-done AS (` + markSet + ` WHERE o.id = ANY($4::int8[]) AND o.published_at IS NULL AND EXISTS (SELECT 1 FROM held) RETURNING 1)
-SELECT EXISTS (SELECT 1 FROM held), (SELECT count(*) FROM done)`,
+		// The mark finds the batch's rows in the partition index's range
+		// from the batch's lowest id ($5) to its highest ($6), one scan,
+		// rather than one primary-key descent per id; the predicates the
+		// partition index needs (the partition, unquarantined) hold for
+		// every row of a batch: the relay read them so, and only the
+		// holder of the partition's lease quarantines its rows. An id of
+		// another partition is not marked. It is a plain DELETE or UPDATE,
+		// which plans faster than one wrapped to report the lease (planned
+		// per execution, see perExecution): a mark that changes every row
+		// of its batch held the lease; one that changes fewer asks the
+		// lease table afterwards (owned).
+		mark: `WITH ` + held + `
+` + markSet + ` WHERE ` + strings.ReplaceAll(partOf(n), "aggregate", "o.aggregate") + ` = ($1::int)::int8
+	AND o.id >= $5::int8 AND o.id <= $6::int8 AND o.id = ANY($4::int8[])
+	AND o.published_at IS NULL AND o.quarantined_at IS NULL AND EXISTS (SELECT 1 FROM held)`,
+		// Whether the lease of epoch $3 is the caller's now. Epochs only
+		// grow and a release or take-over changes the owner or the
+		// epoch: if it is, it was at the mark before.
+		owned: `SELECT EXISTS (SELECT 1 FROM ` + leases + ` WHERE part = $1::int AND owner = $2::text AND epoch = $3::int8)`,
 		fail: `WITH ` + held + `,
 f AS (SELECT * FROM unnest($4::int8[], $5::text[], $6::int8[], $7::bool[]) AS f(id, err, delay, q)),
 done AS (UPDATE ` + ob + ` o SET attempts = o.attempts + 1, last_error = f.err,
@@ -338,8 +359,14 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 		after = inflight[len(inflight)-1].Seq
 	}
 	args := []any{l.Partition, limit + len(inflight), skipBlocked, after}
-	// The read runs in a read-only transaction whose settings make its
-	// plan the one that stops after limit rows, in the same round trip.
+	// The read runs after settings that make its plan the one that stops
+	// after limit rows, in the same round trip. Planner settings cannot be
+	// given inside the statement they plan, so they take a statement of
+	// their own; set_config(..., true) lasts until the end of the
+	// transaction, and the statements of a batch, sent with one Sync (or,
+	// over the simple protocol, as one query string), are one implicit
+	// transaction in every pgx query mode: no BEGIN and COMMIT are needed
+	// for the settings to stay on this read and off the pooled session.
 	// The planner has no statistics on the partition expression (those of
 	// the partial partition index are not used for estimates), so it
 	// guesses that 0.5% of the table is in the partition, fewer rows than
@@ -351,16 +378,12 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 	// as a walk of the whole backlog and JIT-compile it: tens of
 	// milliseconds per read. force_custom_plan: see perExecution.
 	var b pgx.Batch
-	b.Queue(`BEGIN READ ONLY`)
 	b.Queue(`SELECT set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_custom_plan', true)`)
 	b.Queue(o.sql.fetch, args...)
-	b.Queue(`COMMIT`)
 	br := o.s.pool.SendBatch(ctx, &b)
 	defer br.Close()
-	for range 2 {
-		if _, err := br.Exec(); err != nil {
-			return nil, o.s.failAuto(ctx, "outbox fetch", err)
-		}
+	if _, err := br.Exec(); err != nil {
+		return nil, o.s.failAuto(ctx, "outbox fetch", err)
 	}
 	rows, err := br.Query()
 	if err != nil {
@@ -427,7 +450,7 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 }
 
 // Mark implements [outbox.Source]: one statement, fenced by the lease's
-// epoch.
+// epoch. It marks only rows of the lease's partition.
 func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) error {
 	if len(seqs) == 0 {
 		return nil
@@ -435,9 +458,22 @@ func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) e
 	if err := o.s.begin(ctx, "outbox mark"); err != nil {
 		return err
 	}
+	lo, hi := seqs[0], seqs[0]
+	for _, q := range seqs[1:] {
+		lo, hi = min(lo, q), max(hi, q)
+	}
+	tag, err := o.s.pool.Exec(ctx, o.sql.mark, o.args(l.Partition, l.Owner, l.Epoch, seqs, lo, hi)...)
+	if err != nil {
+		return o.s.failAuto(ctx, "outbox mark", err)
+	}
+	if tag.RowsAffected() == int64(len(seqs)) {
+		return nil // the statement changed rows only under the lease
+	}
+	// Some rows were not changed: already marked (a mark retried after
+	// an unknown outcome, an operator's drop), of another partition, or
+	// the lease was lost.
 	var held bool
-	var n int
-	if err := o.s.pool.QueryRow(ctx, o.sql.mark, o.args(l.Partition, l.Owner, l.Epoch, seqs)...).Scan(&held, &n); err != nil {
+	if err := o.s.pool.QueryRow(ctx, o.sql.owned, l.Partition, l.Owner, l.Epoch).Scan(&held); err != nil {
 		return o.s.failAuto(ctx, "outbox mark", err)
 	}
 	if !held {

@@ -78,7 +78,7 @@ func newRelayFlagSet(f *relayFlags) *flag.FlagSet {
 	fs.IntVar(&f.parts, "outbox-partitions", 16, "`N` partitions of the aggregate key space; every relay of one outbox must use the same N")
 	fs.IntVar(&f.batch, "batch", 500, "rows a partition reads and publishes at a time")
 	fs.DurationVar(&f.lease, "lease", 10*time.Second, "partition lease TTL, renewed every third of it")
-	fs.DurationVar(&f.poll, "poll", time.Second, "how often an idle partition polls when no notification woke it")
+	fs.DurationVar(&f.poll, "poll", time.Second, "how often an idle partition polls when no notification woke it (while listening, idle polls back off to max(this, 100ms))")
 	fs.BoolVar(&f.pollOnly, "poll-only", false, "do not LISTEN (behind a transaction-mode pooler): poll only")
 	fs.IntVar(&f.attempts, "max-attempts", 10, "quarantine a message after this many failed attempts")
 	fs.StringVar(&f.policy, "policy", "block", "a quarantined message's key: `block` (wait for an operator) or skip (go on)")
