@@ -250,6 +250,7 @@ func runVerifyOutbox(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&cfg.Aggregates, "aggregates", cfg.Aggregates, "aggregates the events belong to")
 	fs.IntVar(&cfg.Relays, "relays", cfg.Relays, "relays at once")
 	fs.IntVar(&cfg.Partitions, "outbox-partitions", cfg.Partitions, "partitions the relays split")
+	fs.IntVar(&cfg.Batch, "batch", cfg.Batch, "rows a relay's partition reads and publishes at a time (the relay faults are drawn per batch)")
 	fs.IntVar(&cfg.Consumers, "consumers", cfg.Consumers, "consumer workers")
 	fs.Float64Var(&cfg.RollbackRate, "rollback-rate", cfg.RollbackRate, "share of transactions rolled back after writing their event")
 	fs.Float64Var(&cfg.HoldRate, "hold-rate", cfg.HoldRate, "share of transactions held open for --hold before committing")

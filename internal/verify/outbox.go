@@ -50,6 +50,10 @@ type OutboxConfig struct {
 	Hold                   time.Duration
 	// Relays run at once, over Partitions partitions.
 	Relays, Partitions int
+	// Batch is the rows a relay's partition reads and publishes at a
+	// time. The relay faults below are drawn per batch, so a small run
+	// needs small batches to draw any.
+	Batch int
 	// CrashRate is the chance per batch that a relay dies between the
 	// broker's acknowledgements and the mark; KillRate that it dies in the
 	// middle of a batch (part of it published). A dead relay is restarted
@@ -80,7 +84,7 @@ func DefaultOutboxConfig() OutboxConfig {
 	return OutboxConfig{
 		Store: "postgres", Broker: "nats", Events: 3000, Producers: 8, Aggregates: 40,
 		RollbackRate: 0.1, HoldRate: 0.01, Hold: 2 * time.Second,
-		Relays: 3, Partitions: 8, CrashRate: 0.05, KillRate: 0.05, Lease: 500 * time.Millisecond,
+		Relays: 3, Partitions: 8, Batch: 100, CrashRate: 0.05, KillRate: 0.05, Lease: 500 * time.Millisecond,
 		Consumers: 4,
 	}
 }
@@ -102,6 +106,8 @@ func (c *OutboxConfig) Validate() error {
 		return fmt.Errorf("--relays must be between 1 and 64, got %d", c.Relays)
 	case c.Partitions < 1 || c.Partitions > 4096:
 		return fmt.Errorf("--outbox-partitions must be between 1 and 4096, got %d", c.Partitions)
+	case c.Batch < 1 || c.Batch > 10_000:
+		return fmt.Errorf("--batch must be between 1 and 10000, got %d", c.Batch)
 	case c.Consumers < 1 || c.Consumers > 1000:
 		return fmt.Errorf("--consumers must be between 1 and 1000, got %d", c.Consumers)
 	case c.Lease < 30*time.Millisecond:
@@ -311,7 +317,7 @@ func RunOutbox(ctx context.Context, cfg OutboxConfig) (OutboxReport, error) {
 					return false
 				}}
 				rl, err := outbox.NewRelay(side.source(), fp, outbox.WithRelayID(fmt.Sprintf("verify-%s-%d-%d", runID, i, gen)),
-					outbox.WithLeaseTTL(cfg.Lease), outbox.WithPollInterval(50*time.Millisecond), outbox.WithBatchSize(100),
+					outbox.WithLeaseTTL(cfg.Lease), outbox.WithPollInterval(50*time.Millisecond), outbox.WithBatchSize(cfg.Batch),
 					outbox.WithBackoff(10*time.Millisecond, 200*time.Millisecond), outbox.WithMaxAttempts(1000),
 					outbox.WithMarkHook(func(int, []outbox.Message) error {
 						if killNow.Load() {

@@ -23,7 +23,11 @@ func TestOutboxEndToEnd(t *testing.T) {
 			} else {
 				// One writer: every heartbeat, lease renewal and mark is a
 				// write transaction, so fewer relays and longer leases.
-				cfg.Relays, cfg.Partitions, cfg.Lease = 2, 2, 2*time.Second
+				// Two partitions of 300 events made about four batches of
+				// 100, and the relay deaths are drawn per batch: half the
+				// runs drew none (CI once drew none three times running).
+				// Batches of 10 make about thirty draws a run.
+				cfg.Relays, cfg.Partitions, cfg.Lease, cfg.Batch = 2, 2, 2*time.Second, 10
 			}
 			cfg.Events, cfg.Aggregates, cfg.Hold, cfg.HoldRate = 300, 20, 300*time.Millisecond, 0.02
 			cfg.CrashRate, cfg.KillRate = 0.1, 0.1
@@ -95,6 +99,7 @@ func TestOutboxConfigValidate(t *testing.T) {
 		"relays":   func(c *verify.OutboxConfig) { c.Relays = 0 },
 		"rollback": func(c *verify.OutboxConfig) { c.RollbackRate = 1 },
 		"lease":    func(c *verify.OutboxConfig) { c.Lease = time.Millisecond },
+		"batch":    func(c *verify.OutboxConfig) { c.Batch = 0 },
 	} {
 		c := verify.DefaultOutboxConfig()
 		f(&c)
