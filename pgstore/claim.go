@@ -117,21 +117,19 @@ func (s *Store) lockedRow(ctx context.Context, b batcher, lock int64, key dedup.
 // a conversion is pending it first moves the key's old record, in the
 // same round trip and implicit transaction.
 func (s *Store) adoptedRow(ctx context.Context, b batcher, key dedup.Key, query string, r *row, args ...any) error {
-	if s.converted.Load() {
-		var batch pgx.Batch
-		batch.Queue(query, args...)
-		br := b.SendBatch(ctx, &batch)
-		err := br.QueryRow().Scan(r.dest()...)
-		if cerr := br.Close(); err == nil {
-			err = cerr
-		}
-		return err
-	}
+	// One look at the flag decides both what is queued and what is read:
+	// it may turn true between two looks.
 	var batch pgx.Batch
-	s.queueAdopt(&batch, false, []string{key.Scope}, []string{key.ID}, []int32{args[0].(int32)})
+	adopt := !s.converted.Load()
+	if adopt {
+		batch.Queue(s.sql.adoptIDs, []string{key.Scope}, []string{key.ID}, []int32{args[0].(int32)})
+	}
 	batch.Queue(query, args...)
 	br := b.SendBatch(ctx, &batch)
-	err := s.readAdopt(br)
+	var err error
+	if adopt {
+		err = s.readAdopt(br)
+	}
 	if err == nil {
 		err = br.QueryRow().Scan(r.dest()...)
 	}
