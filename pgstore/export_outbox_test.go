@@ -15,3 +15,6 @@ func EnsureOutboxRanges(ctx context.Context, s *Store, start, until time.Time) (
 	}
 	return s.ensureOutboxRanges(ctx, every, start, until)
 }
+
+// MarkBitmap is markBitmap, for a test against PostgreSQL's get_bit.
+func MarkBitmap(seqs []int64, lo, hi int64) []byte { return markBitmap(seqs, lo, hi) }

@@ -13,9 +13,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// The read's planner settings (set_config(..., true), sent in one batch
-// with the read and without BEGIN and COMMIT) stay on the read and off
-// the pooled session, in every pgx query mode: after a read, after a read
+// The read's and the mark's planner settings (set_config(..., true), sent
+// in one batch with the statement and without BEGIN and COMMIT) stay on
+// the statement and off the pooled session, in every pgx query mode: after a read, after a read
 // that fails mid-batch (a lock timeout once the settings ran) and after
 // one cancelled mid-batch (blocked on a lock), the pool's one session
 // has its own settings and no transaction open, and marks and reads go on.
@@ -44,7 +44,7 @@ func TestOutboxFetchSettingsStayOffTheSession(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			const show = `SELECT current_setting('enable_bitmapscan') || '/' || current_setting('jit') || '/' || current_setting('plan_cache_mode')`
+			const show = `SELECT current_setting('enable_seqscan') || '/' || current_setting('enable_bitmapscan') || '/' || current_setting('enable_sort') || '/' || current_setting('jit') || '/' || current_setting('plan_cache_mode')`
 			session := func() (settings string, tx byte) {
 				t.Helper()
 				c, err := pool.Acquire(ctx)

@@ -100,21 +100,42 @@ WHERE id = $1 AND published_at IS NULL AND quarantined_at IS NULL`, id).Scan(&n)
 // A row committed late whose id falls between a batch's lowest and
 // highest id, and which the batch does not hold, is not marked by the
 // batch's mark, and the next read returns it; every row of the batch is
-// marked.
+// marked. Both forms of the mark: the ids as a bitmap over the batch's
+// range (partition 3: the batch's rows are close), and as an array
+// (partition 1: 2,000 rows of partition 0 between them).
 func TestOutboxMarkSparesLateRowInsideBatchRange(t *testing.T) {
 	t.Parallel()
 	outboxLayouts(t, func(t *testing.T, s *pgstore.Store, src *pgstore.OutboxSource) {
+		sparesLateRow(t, s, src, 3, 0)
+		sparesLateRow(t, s, src, 1, 2000)
+	})
+}
+
+// sparesLateRow is TestOutboxMarkSparesLateRowInsideBatchRange on
+// partition p, with gap rows of partition 0 written between the batch's
+// first two rows and its last two.
+func sparesLateRow(t *testing.T, s *pgstore.Store, src *pgstore.OutboxSource, p, gap int) {
+	t.Helper()
+	{
 		ctx := context.Background()
-		ks := keysOf(t, s, 3, 3)
+		ks := keysOf(t, s, p, 3)
 		writeOutboxTx(t, s, nil, outbox.Message{ID: "a1", Topic: "t", Key: ks[0]}, outbox.Message{ID: "a2", Topic: "t", Key: ks[1]})
 		tx, err := s.Pool().Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer tx.Rollback(ctx)
-		writeOutboxTx(t, s, tx, outbox.Message{ID: "late", Topic: "t", Key: ks[2]})
+		writeOutboxTx(t, s, tx, outbox.Message{ID: fmt.Sprint("late-", p), Topic: "t", Key: ks[2]})
+		if gap > 0 {
+			fill := make([]outbox.Message, gap)
+			k0 := keysOf(t, s, 0, 1)[0]
+			for i := range fill {
+				fill[i] = outbox.Message{Topic: "t", Key: k0}
+			}
+			writeOutboxTx(t, s, nil, fill...)
+		}
 		writeOutboxTx(t, s, nil, outbox.Message{ID: "b1", Topic: "t", Key: ks[0]}, outbox.Message{ID: "b2", Topic: "t", Key: ks[1]})
-		l, ok, err := src.Acquire(ctx, "r1", 3, time.Hour)
+		l, ok, err := src.Acquire(ctx, "r1", p, time.Hour)
 		if err != nil || !ok {
 			t.Fatalf("Acquire = %v, %v", ok, err)
 		}
@@ -126,7 +147,7 @@ func TestOutboxMarkSparesLateRowInsideBatchRange(t *testing.T) {
 			t.Fatal(err)
 		}
 		var late int64
-		if err := s.Pool().QueryRow(ctx, `SELECT id FROM `+s.Tables().Outbox+` WHERE message_key = 'late'`).Scan(&late); err != nil {
+		if err := s.Pool().QueryRow(ctx, `SELECT id FROM `+s.Tables().Outbox+` WHERE message_key = $1`, fmt.Sprint("late-", p)).Scan(&late); err != nil {
 			t.Fatal(err)
 		}
 		if late <= batch[0].Seq || late >= batch[3].Seq {
@@ -143,11 +164,58 @@ func TestOutboxMarkSparesLateRowInsideBatchRange(t *testing.T) {
 				t.Fatalf("batch row %d was not marked", m.Seq)
 			}
 		}
+		if sparse := batch[3].Seq-batch[0].Seq > 2000; sparse != (gap > 0) {
+			t.Fatalf("batch range %d..%d: sparse %v, want %v", batch[0].Seq, batch[3].Seq, sparse, gap > 0)
+		}
 		again, err := src.Fetch(ctx, l, 100, false)
 		if err != nil || len(again) != 1 || again[0].Seq != late {
 			t.Fatalf("Fetch after the mark = %+v, %v; want the late row alone", again, err)
 		}
-	})
+		if gap > 0 {
+			if n := countRows(t, s, `published_at IS NULL AND aggregate = '`+keysOf(t, s, 0, 1)[0]+`'`); n != gap {
+				t.Fatalf("%d rows of partition 0 unpublished, want %d", n, gap)
+			}
+		}
+	}
+}
+
+// The mark's bitmap, read by PostgreSQL's get_bit the way the mark reads
+// it, holds exactly the ids given; a batch spread over more than
+// markBitsMax ids per id gets none (the mark sends an array).
+func TestOutboxMarkBitmapMatchesGetBit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testPool(t)
+	cases := [][]int64{{7}, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {100, 108, 115, 116, 117, 123, 164}, {5, 1, 9, 1}}
+	for n := range 50 {
+		cases = append(cases, []int64{int64(1000 + n*37%257), int64(1000 + n*11%131), int64(1000 + n)})
+	}
+	for _, seqs := range cases {
+		lo, hi := slices.Min(seqs), slices.Max(seqs)
+		bits := pgstore.MarkBitmap(seqs, lo, hi)
+		if bits == nil {
+			t.Fatalf("%v: no bitmap", seqs)
+		}
+		rows, err := pool.Query(ctx, `SELECT $2::int8 + k FROM generate_series(0, $3::int8 - $2::int8) k
+WHERE CASE WHEN $2::int8 + k >= $2::int8 AND $2::int8 + k <= $3::int8 THEN get_bit($1::bytea, k::int) = 1 ELSE false END`, bits, lo, hi)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := slices.Compact(slices.Sorted(slices.Values(seqs)))
+		if !slices.Equal(got, want) {
+			t.Fatalf("bitmap of %v read back as %v", seqs, got)
+		}
+	}
+	if bits := pgstore.MarkBitmap([]int64{1, 2}, 1, 1+2*256); bits != nil {
+		t.Fatalf("two ids 512 apart got a bitmap of %d bytes", len(bits))
+	}
+	if bits := pgstore.MarkBitmap([]int64{1, 2}, 1, 2*256); bits == nil {
+		t.Fatal("two ids 511 apart got no bitmap")
+	}
 }
 
 // Per-key order with quarantines that appear and disappear between

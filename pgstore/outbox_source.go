@@ -12,6 +12,7 @@ import (
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -25,7 +26,7 @@ type OutboxSource struct {
 	n      int
 	delete bool
 	sql    outboxSQL
-	mode   []any // perExecution, before the arguments of fetch, mark and fail
+	mode   []any // perExecution, before the arguments of the array mark and fail
 
 	mu      sync.Mutex // CreateIndex
 	imu     sync.Mutex // indexed, partsAt (never held across a build)
@@ -34,8 +35,29 @@ type OutboxSource struct {
 }
 
 type outboxSQL struct {
-	join, leave, acquire, release, fetch, mark, owned, fail string
+	join, leave, acquire, release, fetch, mark, markBits, owned, fail string
 }
+
+// shaped is sent before the read and the bitmap mark, in the same batch
+// (one implicit transaction: see fetch): planner settings under which
+// their plans can only take the shape that stops after a batch (an index
+// range in id order: no sequential scan, no bitmap scan, no sort, no JIT),
+// and a generic plan, made once per connection and kept by PostgreSQL's
+// plan cache while the pool caches the statement (pgx's default mode).
+// set_config(..., true) lasts until the end of the transaction: the
+// pooled session keeps its own settings. Every execution of the two
+// statements, hence every (re)planning of them (after an ANALYZE or a
+// VACUUM of the table invalidates the plan), happens under these
+// settings: a plan made while the outbox was empty cannot walk the table
+// once a backlog arrives, which per-execution planning (d9bf376) guarded
+// against at a cost of ~0.2-0.3 ms of planning a read and a mark
+// (docs/benchmarks.md, the Kafka relay).
+const shaped = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true), set_config('enable_sort', 'off', true), set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`
+
+// markBitsMax: a mark sends its ids as a bitmap over [lowest, highest]
+// when that range holds at most this many ids per id marked (16
+// partitions spread a batch over ~16 times its size); else as an array.
+const markBitsMax = 256
 
 var (
 	_ outbox.Source     = (*OutboxSource)(nil)
@@ -83,10 +105,12 @@ func (s *Store) OutboxSource(opts ...OutboxOption) (*OutboxSource, error) {
 	return o, nil
 }
 
-// perExecution returns the mode in which the relay's reads and marks are
-// sent so that PostgreSQL plans each execution with its own argument
-// values and the table's size at that moment, or nil when the pool's
-// default already does. pgx's default mode prepares each statement by name
+// perExecution returns the mode in which the relay's sparse marks (see
+// markBitsMax) and its failures are sent so that PostgreSQL plans each
+// execution with its own argument values and the table's size at that
+// moment, or nil when the pool's default already does. (The read and the
+// bitmap mark are planned once per connection instead, under settings
+// that fix their shape: see shaped.) pgx's default mode prepares each statement by name
 // once per connection, and after five executions PostgreSQL may keep a
 // generic plan: one made while the outbox was empty (a relay polls an
 // idle outbox many times, and a VACUUM of the empty table sets its size to
@@ -263,6 +287,17 @@ LIMIT $2::int`,
 ` + markSet + ` WHERE ` + strings.ReplaceAll(partOf(n), "aggregate", "o.aggregate") + ` = ($1::int)::int8
 	AND o.id >= $5::int8 AND o.id <= $6::int8 AND o.id = ANY($4::int8[])
 	AND o.published_at IS NULL AND o.quarantined_at IS NULL AND EXISTS (SELECT 1 FROM held)`,
+		// markBits is mark with the ids as a bitmap ($4: bit k, counted
+		// as get_bit does, set for id $5 + k): a generic plan tests an
+		// id against an array parameter by a linear search per row (a
+		// custom plan hashes a constant array, but is planned at each
+		// execution), a bit in constant time. The CASE keeps get_bit
+		// inside its range whatever order the planner gives the quals.
+		markBits: `WITH ` + held + `
+` + markSet + ` WHERE ` + strings.ReplaceAll(partOf(n), "aggregate", "o.aggregate") + ` = ($1::int)::int8
+	AND o.id >= $5::int8 AND o.id <= $6::int8
+	AND CASE WHEN o.id >= $5::int8 AND o.id <= $6::int8 THEN get_bit($4::bytea, (o.id - $5::int8)::int) = 1 ELSE false END
+	AND o.published_at IS NULL AND o.quarantined_at IS NULL AND EXISTS (SELECT 1 FROM held)`,
 		// Whether the lease of epoch $3 is the caller's now. Epochs only
 		// grow and a release or take-over changes the owner or the
 		// epoch: if it is, it was at the mark before.
@@ -360,25 +395,25 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 	}
 	args := []any{l.Partition, limit + len(inflight), skipBlocked, after}
 	// The read runs after settings that make its plan the one that stops
-	// after limit rows, in the same round trip. Planner settings cannot be
-	// given inside the statement they plan, so they take a statement of
-	// their own; set_config(..., true) lasts until the end of the
-	// transaction, and the statements of a batch, sent with one Sync (or,
-	// over the simple protocol, as one query string), are one implicit
-	// transaction in every pgx query mode: no BEGIN and COMMIT are needed
-	// for the settings to stay on this read and off the pooled session.
-	// The planner has no statistics on the partition expression (those of
-	// the partial partition index are not used for estimates), so it
-	// guesses that 0.5% of the table is in the partition, fewer rows than
-	// a batch: with bitmap scans allowed it then reads every unpublished
-	// row of the partition and sorts them, per read (5-6 ms a read of a
-	// 50,000-row backlog of 16 partitions against 0.7 ms for the ordered
-	// index range: docs/benchmarks.md, the Kafka relay). Without the
-	// partition index ([OutboxSource.CreateIndex]) it would price the scan
-	// as a walk of the whole backlog and JIT-compile it: tens of
-	// milliseconds per read. force_custom_plan: see perExecution.
+	// after limit rows, in the same round trip (shaped). Planner settings
+	// cannot be given inside the statement they plan, so they take a
+	// statement of their own; set_config(..., true) lasts until the end
+	// of the transaction, and the statements of a batch, sent with one
+	// Sync (or, over the simple protocol, as one query string), are one
+	// implicit transaction in every pgx query mode: no BEGIN and COMMIT
+	// are needed for the settings to stay on this read and off the pooled
+	// session. The planner has no statistics on the partition expression
+	// (those of the partial partition index are not used for estimates),
+	// so it guesses that 0.5% of the table is in the partition, fewer rows
+	// than a batch: with bitmap scans allowed it then reads every
+	// unpublished row of the partition and sorts them, per read (5-6 ms a
+	// read of a 50,000-row backlog of 16 partitions against 0.7 ms for the
+	// ordered index range: docs/benchmarks.md, the Kafka relay). Without
+	// the partition index ([OutboxSource.CreateIndex]) it would price the
+	// scan as a walk of the whole backlog and JIT-compile it: tens of
+	// milliseconds per read.
 	var b pgx.Batch
-	b.Queue(`SELECT set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_custom_plan', true)`)
+	b.Queue(shaped)
 	b.Queue(o.sql.fetch, args...)
 	br := o.s.pool.SendBatch(ctx, &b)
 	defer br.Close()
@@ -462,7 +497,25 @@ func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) e
 	for _, q := range seqs[1:] {
 		lo, hi = min(lo, q), max(hi, q)
 	}
-	tag, err := o.s.pool.Exec(ctx, o.sql.mark, o.args(l.Partition, l.Owner, l.Epoch, seqs, lo, hi)...)
+	var tag pgconn.CommandTag
+	var err error
+	if bits := markBitmap(seqs, lo, hi); bits != nil {
+		// Planned once per connection under shaped, in one round trip.
+		var b pgx.Batch
+		b.Queue(shaped)
+		b.Queue(o.sql.markBits, l.Partition, l.Owner, l.Epoch, bits, lo, hi)
+		br := o.s.pool.SendBatch(ctx, &b)
+		if _, err = br.Exec(); err == nil {
+			tag, err = br.Exec()
+		}
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+	} else {
+		// A sparse batch (many partitions): the ids as an array, the
+		// statement planned at each execution (see perExecution).
+		tag, err = o.s.pool.Exec(ctx, o.sql.mark, o.args(l.Partition, l.Owner, l.Epoch, seqs, lo, hi)...)
+	}
 	if err != nil {
 		return o.s.failAuto(ctx, "outbox mark", err)
 	}
@@ -480,6 +533,22 @@ func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) e
 		return outbox.ErrLeaseLost
 	}
 	return nil
+}
+
+// markBitmap returns seqs as the bitmap of markBits over [lo, hi] (bit
+// k of byte k/8, least significant first, for id lo+k), or nil when the
+// range holds more than markBitsMax ids per id of seqs.
+func markBitmap(seqs []int64, lo, hi int64) []byte {
+	span := uint64(hi - lo) // hi >= lo: ids as far apart as int64 allows fit
+	if span >= uint64(markBitsMax)*uint64(len(seqs)) {
+		return nil
+	}
+	bits := make([]byte, span/8+1)
+	for _, q := range seqs {
+		k := uint64(q - lo)
+		bits[k/8] |= 1 << (k % 8)
+	}
+	return bits
 }
 
 // Fail implements [outbox.Source]: one statement, fenced like Mark.
