@@ -36,6 +36,7 @@ type Relay struct {
 	// Listen has called wake since it last returned).
 	listening atomic.Bool
 	mu        sync.Mutex
+	closed    bool // Close was called: Run does not start
 	cancel    context.CancelFunc
 	done      chan struct{}
 
@@ -105,9 +106,12 @@ func (r *Relay) Stats() Stats {
 }
 
 // Close stops a running relay as a cancelled Run context does, and waits
-// for Run to return. It is safe to call at any time, more than once.
+// for Run to return; a Run that starts after Close (or has not yet
+// started when Close is called) returns [dedup.ErrClosed] at once. It is
+// safe to call at any time, more than once.
 func (r *Relay) Close() error {
 	r.mu.Lock()
+	r.closed = true
 	cancel, done := r.cancel, r.done
 	r.mu.Unlock()
 	if cancel != nil {
@@ -134,7 +138,8 @@ type crash struct{ err error }
 // leases are released and the relay leaves, on a detached context with
 // its own timeout, and Run returns nil. A source error is logged and
 // retried; Run returns an error only for a misconfiguration found by the
-// source (relays with another partition count) or a mark hook's error.
+// source (relays with another partition count), a mark hook's error, or
+// [dedup.ErrClosed] when Close came first.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return ErrRelayRunning
@@ -143,6 +148,12 @@ func (r *Relay) Run(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	r.mu.Lock()
+	if r.closed {
+		// Decided under the lock Close marks the relay under: a Close
+		// either sees this Run's cancel or this Run sees the mark.
+		r.mu.Unlock()
+		return dedup.ErrClosed
+	}
 	r.cancel, r.done = cancel, make(chan struct{})
 	done := r.done
 	r.mu.Unlock()
