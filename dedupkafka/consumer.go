@@ -71,6 +71,9 @@ type lifecycle struct {
 	closing  chan struct{} // closed by the first Close
 	closeOne sync.Once
 	done     chan struct{} // closed when Run has returned, or by a Close before Run
+	// looked, when set (by tests), runs in stop once it has looked at
+	// whether Run started.
+	looked func()
 }
 
 func newLifecycle() lifecycle {
@@ -79,14 +82,21 @@ func newLifecycle() lifecycle {
 
 // stop asks Run to end and waits for it; if Run never started, it marks
 // the lifecycle as run and done and calls release (the client's Close).
+// One look decides which: a Run that starts after a first look (that it
+// had not started) and before a second would make both fail, and stop
+// would return while Run still runs.
 func (l *lifecycle) stop(release func()) {
 	l.closeOne.Do(func() { close(l.closing) })
-	if l.running.Load() {
-		<-l.done
-	} else if l.running.CompareAndSwap(false, true) {
+	first := l.running.CompareAndSwap(false, true)
+	if l.looked != nil {
+		l.looked()
+	}
+	if first {
 		close(l.done)
 		release()
+		return
 	}
+	<-l.done
 }
 
 // runContext returns ctx cancelled also by Close, or false if Close came
