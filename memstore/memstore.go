@@ -50,6 +50,9 @@ type Store struct {
 	// scope is the first scope a Claim validated: strings do not change,
 	// so a key in it has only its ID left to check.
 	scope atomic.Pointer[string]
+	// bytesLooked, when set (by tests), runs once a claim of a new key has
+	// looked whether its record fits under the byte bound.
+	bytesLooked func()
 }
 
 // A shard is an open-addressing table (linear probing, backward-shift
@@ -732,6 +735,7 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 	// A new key. Making room or growing the table moves slots and may
 	// forget the key's scope: then the slot is looked up again.
 	moved := !known
+	var reserved int64 // bytes of the bound counted for the record already
 	if sh.n >= s.perShard {
 		if err := s.makeRoom(sh, now); err != nil {
 			return err
@@ -739,8 +743,16 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 		moved = true
 	}
 	if s.maxBytes > 0 {
-		if size := recordSize(key, p); s.bytes.Load()+size > s.maxBytes {
-			if err := s.fitBytes(sh, size, now); err != nil {
+		// The record's bytes are counted in the bound by the look that
+		// finds them room (reserve), not after: a claim in another shard
+		// must not find the same room.
+		reserved = recordSize(key, p)
+		fits := s.reserve(reserved)
+		if s.bytesLooked != nil {
+			s.bytesLooked()
+		}
+		if !fits {
+			if err := s.fitBytes(sh, reserved, now); err != nil {
 				return err
 			}
 			moved = true
@@ -766,7 +778,11 @@ func (s *Store) claimLocked(sh *shard, key dedup.Key, h uint64, p *print, lease 
 	r := sh.rec(ri)
 	r.setKey(key.ID, sid)
 	token, until := newToken(), dedup.DeadlineNanos(now, lease)
-	s.addBytes(sh, RecordOverhead+int64(len(key.Scope)+len(key.ID))+r.acquire(p, token, until, 1))
+	d := RecordOverhead + int64(len(key.Scope)+len(key.ID)) + r.acquire(p, token, until, 1)
+	sh.bytes += d
+	if s.maxBytes > 0 && d != reserved {
+		s.bytes.Add(d - reserved)
+	}
 	*c = dedup.Claim{Key: key, Outcome: dedup.Acquired, Token: token, Attempt: 1, LeaseUntil: s.time(until)}
 	return nil
 }
@@ -819,20 +835,35 @@ func (s *Store) makeRoom(sh *shard, now int64) error {
 }
 
 // fitBytes makes room in sh for a new record of size bytes under the byte
-// bound, as makeRoom does for the record count, a few rounds at most.
+// bound, as makeRoom does for the record count, a few rounds at most, and
+// counts them in the bound (reserve) once they fit.
 func (s *Store) fitBytes(sh *shard, size int64, now int64) error {
 	for range 4 {
-		if s.bytes.Load()+size <= s.maxBytes {
+		if s.reserve(size) {
 			return nil
 		}
 		if s.makeRoom(sh, now) != nil {
 			break
 		}
 	}
-	if s.bytes.Load()+size <= s.maxBytes {
+	if s.reserve(size) {
 		return nil
 	}
 	return &dedup.StoreError{Store: storeName, Op: "claim", Err: errOverBytes, NotApplied: true}
+}
+
+// reserve counts size bytes more in the store's bound if they fit under
+// it, in one step, and reports whether they did.
+func (s *Store) reserve(size int64) bool {
+	for {
+		cur := s.bytes.Load()
+		if cur+size > s.maxBytes {
+			return false
+		}
+		if s.bytes.CompareAndSwap(cur, cur+size) {
+			return true
+		}
+	}
 }
 
 // lookup finds the record of key, whose ID hashes to h, in sh.
