@@ -69,3 +69,7 @@ func WaitVacuum(s *Store) { s.vac.wg.Wait() }
 // key's old record first, and learn there is none); tests flip it while
 // claims run, as a store's first claims see it flip.
 func SetConverted(s *Store, done bool) { s.converted.Store(done) }
+
+// SetVacuumStarted makes f run first in each vacuum run's goroutine, before
+// the run uses the pool. Set it before the completions start.
+func SetVacuumStarted(s *Store, f func()) { s.vac.started = f }

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // vacuumer runs VACUUM on the plain records table once enough records
@@ -24,6 +26,9 @@ type vacuumer struct {
 	ctx    context.Context // cancelled by Close
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+
+	// started, when set (by tests), runs first in a run's goroutine.
+	started func()
 }
 
 // completed notes n records completed (a completion writes a new version
@@ -35,7 +40,7 @@ func (s *Store) completed(n int) {
 	if v.min == 0 || n <= 0 || v.denied.Load() {
 		return
 	}
-	if v.pending.Add(int64(n)) < max(v.min, v.need.Load()) || !s.poolSpares() || !v.running.CompareAndSwap(false, true) {
+	if v.pending.Add(int64(n)) < max(v.min, v.need.Load()) || !s.poolSpares(2) || !v.running.CompareAndSwap(false, true) {
 		return
 	}
 	s.mu.Lock()
@@ -49,14 +54,14 @@ func (s *Store) completed(n int) {
 	go s.vacuum()
 }
 
-// poolSpares reports whether the pool has a connection for a run and
-// still one for the callers (idle or yet to be opened): a run holds its
-// connection until the VACUUM ends, and must not leave claims waiting in
-// the pool for it. When it has none, the completions stay pending and a
-// later one tries again.
-func (s *Store) poolSpares() bool {
+// poolSpares reports whether the pool has n connections it can give
+// (idle, or yet to be opened): before a run, one for the run and still
+// one for the callers. A run holds its connection until the VACUUM ends,
+// and must not leave claims waiting in the pool for it. When it has none,
+// the completions stay pending and a later one tries again.
+func (s *Store) poolSpares(n int64) bool {
 	st := s.pool.Stat()
-	return int64(st.IdleConns())+int64(st.MaxConns())-int64(st.TotalConns()) >= 2
+	return int64(st.IdleConns())+int64(st.MaxConns())-int64(st.TotalConns()) >= n
 }
 
 // vacuum runs VACUUM on the records table if the completions pending are
@@ -67,10 +72,29 @@ func (s *Store) vacuum() {
 	defer v.wg.Done()
 	defer v.running.Store(false)
 	ctx := v.ctx
+	if v.started != nil {
+		v.started()
+	}
+	// The run takes its connection first and looks at the pool with it
+	// taken: completed's look at the pool is older, and a caller may
+	// have taken the connection it saw to spare since (then the run
+	// would take the last one). The completions stay pending.
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		if ctx.Err() == nil {
+			s.logger().WarnContext(ctx, "dedup records vacuum: no connection", "table", s.names.records, "error", err)
+		}
+		return
+	}
+	if !s.poolSpares(1) {
+		conn.Release()
+		return
+	}
 	pending := v.pending.Load()
 	var rows float64
 	var may bool
-	if err := s.pool.QueryRow(ctx, vacuumCheck, s.names.records).Scan(&rows, &may); err != nil {
+	if err := conn.QueryRow(ctx, vacuumCheck, s.names.records).Scan(&rows, &may); err != nil {
+		conn.Release()
 		if ctx.Err() == nil {
 			s.logger().WarnContext(ctx, "dedup records vacuum: reading the table's size failed", "table", s.names.records, "error", err)
 		}
@@ -79,6 +103,7 @@ func (s *Store) vacuum() {
 	if !may {
 		// The server would skip the table with a WARNING in its log on
 		// every run: say so once here and stop.
+		conn.Release()
 		v.denied.Store(true)
 		s.logger().WarnContext(ctx, "dedup records vacuum: the store's role may not vacuum the table (it is not its owner, nor the database's, nor granted MAINTAIN); the store will not run VACUUM (WithVacuum(0, 0) turns this off)", "table", s.names.records)
 		return
@@ -87,6 +112,7 @@ func (s *Store) vacuum() {
 		// Not yet: look again once that many are pending (at most
 		// one read of the size per run of the table's growth).
 		v.need.Store(int64(min(need, 1<<62)))
+		conn.Release()
 		return
 	}
 	v.pending.Add(-pending)
@@ -98,7 +124,7 @@ func (s *Store) vacuum() {
 	// exclusive lock that cutting empty pages off the table's end needs
 	// (brief, but it would stall claims, and on a hot standby cancel
 	// queries, as often as the store vacuums); autovacuum still truncates.
-	yielded, err := s.runVacuum(ctx)
+	yielded, err := s.runVacuum(ctx, conn)
 	switch {
 	case ctx.Err() != nil:
 	case yielded:
@@ -119,7 +145,8 @@ const vacuumCancelWait = 5 * time.Second
 // default).
 const vacuumYieldCheck = time.Second
 
-// runVacuum sends the VACUUM on a connection of its own from the pool.
+// runVacuum sends the VACUUM on conn, the run's connection from the
+// pool, which it gives back (or closes).
 // When ctx is cancelled (Close) it stops the VACUUM on the server with a
 // cancel request and waits for the server's answer: a plain cancelled
 // context would only close the connection (pgx's default), and the server,
@@ -134,11 +161,7 @@ const vacuumYieldCheck = time.Second
 // behind the DDL, until the VACUUM ends. So the run looks every
 // vacuumYieldCheck for a session its VACUUM blocks and, if it finds one,
 // cancels the VACUUM as the server would an autovacuum's (yielded).
-func (s *Store) runVacuum(ctx context.Context) (yielded bool, err error) {
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return false, err
-	}
+func (s *Store) runVacuum(ctx context.Context, conn *pgxpool.Conn) (yielded bool, err error) {
 	pid := conn.Conn().PgConn().PID()
 	rctx, rcancel := context.WithCancel(ctx)
 	defer rcancel()

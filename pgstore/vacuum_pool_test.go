@@ -61,4 +61,36 @@ func TestVacuumLeavesPoolToClaims(t *testing.T) {
 			t.Fatalf("%d vacuums once the pool had a connection to spare, want 1", n)
 		}
 	})
+	t.Run("taken while it starts", func(t *testing.T) {
+		// The pool had a connection to spare when the completion looked,
+		// and a caller took one before the run took its own: the run
+		// took the last one, and claims waited for the whole VACUUM.
+		pool := vacuumPool(t, 2)
+		s := openStoreOn(t, pool, freshSchema(t, testPool(t)), pgstore.WithVacuum(1, 0))
+		var held *pgxpool.Conn
+		pgstore.SetVacuumStarted(s, func() {
+			if held != nil {
+				return
+			}
+			var err error
+			if held, err = pool.Acquire(context.Background()); err != nil { // a caller's
+				t.Error(err)
+			}
+		})
+		claimComplete(t, s, "a", 5)
+		pgstore.WaitVacuum(s)
+		n := pgstore.VacuumRuns(s)
+		if held == nil {
+			t.Fatal("no run started")
+		}
+		held.Release()
+		if n != 0 {
+			t.Fatalf("%d vacuums ran on the last connection a caller left while the run started", n)
+		}
+		claimComplete(t, s, "b", 5) // the earlier completions are still pending
+		pgstore.WaitVacuum(s)
+		if n := pgstore.VacuumRuns(s); n != 1 {
+			t.Fatalf("%d vacuums once the pool had a connection to spare, want 1", n)
+		}
+	})
 }
