@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"time"
@@ -537,10 +538,12 @@ func (o *OutboxSource) Mark(ctx context.Context, l outbox.Lease, seqs []int64) e
 
 // markBitmap returns seqs as the bitmap of markBits over [lo, hi] (bit
 // k of byte k/8, least significant first, for id lo+k), or nil when the
-// range holds more than markBitsMax ids per id of seqs.
+// range holds more than markBitsMax ids per id of seqs or when its bit
+// numbers do not fit the int markBits casts them to (a mark of more than
+// 2^31 / markBitsMax ids).
 func markBitmap(seqs []int64, lo, hi int64) []byte {
 	span := uint64(hi - lo) // hi >= lo: ids as far apart as int64 allows fit
-	if span >= uint64(markBitsMax)*uint64(len(seqs)) {
+	if span >= uint64(markBitsMax)*uint64(len(seqs)) || span > math.MaxInt32 {
 		return nil
 	}
 	bits := make([]byte, span/8+1)
