@@ -233,12 +233,20 @@ func (r *Runner) do(ctx context.Context, key Key, fp Fingerprint, h Handler, ch 
 	if h == nil && ch == nil {
 		return Result{}, &ArgumentError{Arg: "handler", Reason: "is nil"}
 	}
-	c, err := r.claim(ctx, key, fp)
+	// Without hooks the store is called here, not through claim: the claim
+	// (144 bytes) is copied once from the store's answer, not twice.
+	var c Claim
+	var err error
+	if r.cfg.hooks.Empty() {
+		c, err = r.store.Claim(ctx, key, fp, r.cfg.lease)
+	} else {
+		c, err = r.claim(ctx, key, fp)
+	}
 	if err != nil {
 		return Result{}, err
 	}
-	// The claim (144 bytes) goes down by pointer from here: one copy for
-	// the handler, one for the store's Complete, none in between.
+	// The claim goes down by pointer from here: one copy for the handler,
+	// one for the store's Complete, none in between.
 	if c.Outcome != Acquired {
 		res, _, err := settled(&c)
 		return res, err
@@ -436,22 +444,37 @@ func (r *Runner) finish(ctx context.Context, c *Claim, op string, result []byte,
 // finalize timeout's, and it is not detached again, which would give a
 // store that hangs a finalize timeout more each time (one per item of a
 // batch completed one at a time).
+//
+// The first try is made here and the rest in completeAgain, whose
+// deferred cancels (made in its loop) cost every call of the function
+// that holds them a run of the deferred calls on return, even when none
+// was made.
 func (r *Runner) complete(ctx context.Context, c *Claim, result []byte, detached bool) error {
-	var err error
+	err := r.store.Complete(ctx, *c, result, r.cfg.retention)
+	if err == nil {
+		return nil
+	}
+	return r.completeAgain(ctx, c, result, detached, err)
+}
+
+// completeAgain is complete after its first try returned err (not nil).
+func (r *Runner) completeAgain(ctx context.Context, c *Claim, result []byte, detached bool, err error) error {
 	for try := 0; try < r.cfg.completeTries; try++ {
-		if try > 0 && !pause(ctx, try) {
-			if detached {
-				break // the finalize timeout ended
-			}
-			var cancel context.CancelFunc
-			ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
-			defer cancel()
-			detached = true
+		if try > 0 {
 			if !pause(ctx, try) {
-				break
+				if detached {
+					break // the finalize timeout ended
+				}
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), r.cfg.finalizeTimeout)
+				defer cancel()
+				detached = true
+				if !pause(ctx, try) {
+					break
+				}
 			}
+			err = r.store.Complete(ctx, *c, result, r.cfg.retention)
 		}
-		err = r.store.Complete(ctx, *c, result, r.cfg.retention)
 		if err != nil && !detached && ctx.Err() != nil {
 			// Cut short by ctx's end: make this try again, detached.
 			var cancel context.CancelFunc

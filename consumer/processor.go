@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -90,13 +92,109 @@ type Processor struct {
 	track      *tracker
 
 	// The decision counts are written once a message, by every goroutine
-	// the adapter runs messages on; the fields above are read once a
-	// message by all of them. The padding keeps the counts off the cache
-	// lines of those fields (128 bytes: the adjacent-line prefetch pairs
-	// lines), so that a count does not evict them from the other cores.
-	_                                                    [128]byte
+	// the adapter runs messages on (unless each has a Lane); the fields
+	// above are read once a message by all of them. The padding keeps the
+	// counts off the cache lines of those fields (128 bytes: the
+	// adjacent-line prefetch pairs lines), so that a count does not evict
+	// them from the other cores.
+	_ [128]byte
+	counts
+	// lanes are the lanes open, whose counts Stats adds in (guarded by
+	// lanesMu, which also orders a lane's Close against Stats).
+	lanesMu sync.Mutex
+	lanes   []*Lane
+}
+
+// counts are decision counts: a processor's, or a lane's.
+type counts struct {
 	applied, duplicates, retries, deadLettered, rejected atomic.Uint64
 	inProgress, storeErrors, reconciled                  atomic.Uint64
+}
+
+// addTo adds the counts to s.
+func (n *counts) addTo(s *Stats) {
+	s.Applied += n.applied.Load()
+	s.Duplicates += n.duplicates.Load()
+	s.Retries += n.retries.Load()
+	s.DeadLettered += n.deadLettered.Load()
+	s.Rejected += n.rejected.Load()
+	s.InProgress += n.inProgress.Load()
+	s.StoreErrors += n.storeErrors.Load()
+	s.Reconciled += n.reconciled.Load()
+}
+
+// moveTo adds the counts to to and sets them to zero.
+func (n *counts) moveTo(to *counts) {
+	to.applied.Add(n.applied.Swap(0))
+	to.duplicates.Add(n.duplicates.Swap(0))
+	to.retries.Add(n.retries.Swap(0))
+	to.deadLettered.Add(n.deadLettered.Swap(0))
+	to.rejected.Add(n.rejected.Swap(0))
+	to.inProgress.Add(n.inProgress.Swap(0))
+	to.storeErrors.Add(n.storeErrors.Swap(0))
+	to.reconciled.Add(n.reconciled.Swap(0))
+}
+
+// A Lane processes messages for one goroutine at a time: its Process
+// makes exactly the decisions, calls and counts of [Processor.Process].
+// What differs is where the counts of the decisions that end a message's
+// run (applied, duplicate, rejected, a key in progress, a store failure)
+// are kept until [Lane.Close]: on cache lines of the lane's own, which
+// [Processor.Stats] adds in, so a snapshot counts them as it would the
+// processor's. An adapter that runs messages on several goroutines at
+// once (the partitions of a Kafka consumer) gives each goroutine a lane,
+// so that they do not all write one counter a message, whose cache line
+// would move between the cores at each write.
+//
+// A lane must not be used by two goroutines at once; goroutines may take
+// turns with one.
+type Lane struct {
+	p *Processor
+	n *counts // &own; the processor's once the lane is closed
+	// own is written once a message, by the goroutine that has the lane:
+	// the padding keeps it off the lines of other objects (another lane's
+	// counts, on another core).
+	_   [128]byte
+	own counts
+	_   [128]byte
+}
+
+// NewLane returns a new lane of p. Close it when it is no longer used,
+// so that p stops looking at it.
+func (p *Processor) NewLane() *Lane {
+	l := &Lane{p: p}
+	l.n = &l.own
+	p.lanesMu.Lock()
+	p.lanes = append(p.lanes, l)
+	p.lanesMu.Unlock()
+	return l
+}
+
+// Process is [Processor.Process], counted on the lane.
+func (l *Lane) Process(ctx context.Context, m *Message) Decision {
+	if m == nil {
+		return nilMessage(l.p)
+	}
+	d := l.p.process(ctx, m, l.n)
+	l.p.observed(m, d)
+	return d
+}
+
+// Close adds the lane's counts to its processor's and detaches it: the
+// processor no longer looks at it, and a later Process (allowed, not
+// concurrently with Close) counts on the processor. Closing twice is no
+// change.
+func (l *Lane) Close() {
+	p := l.p
+	p.lanesMu.Lock()
+	defer p.lanesMu.Unlock()
+	i := slices.Index(p.lanes, l)
+	if i < 0 {
+		return
+	}
+	p.lanes = slices.Delete(p.lanes, i, i+1)
+	l.own.moveTo(&p.counts)
+	l.n = &p.counts
 }
 
 // applied is what one run through the store or inbox did.
@@ -175,17 +273,6 @@ func New(name string, store dedup.Store, h Handler, opts ...Option) (*Processor,
 		}, pb
 	}
 	return p, nil
-}
-
-// applyStore is apply in store mode: m runs under the runner's claim of
-// key, and a says what the run did.
-func (p *Processor) applyStore(ctx context.Context, m *Message, key dedup.Key, fp dedup.Fingerprint, a *applied) error {
-	res, err := p.runner.DoClaim(ctx, key, fp, func(ctx context.Context, c dedup.Claim) ([]byte, error) {
-		a.ran = true
-		return p.runHandler(ctx, m, key, c.TakenOver)
-	})
-	a.set(res)
-	return err
 }
 
 // runHandler applies m (store mode) under a claim that took over an
@@ -319,12 +406,17 @@ func (p *Processor) Lease() time.Duration { return p.cfg.lease }
 func (p *Processor) Retention() time.Duration { return p.cfg.retention }
 
 // Stats returns the decision counts so far.
+//
+// The counts of the lanes open ([Processor.NewLane]) are included.
 func (p *Processor) Stats() Stats {
-	return Stats{
-		Applied: p.applied.Load(), Duplicates: p.duplicates.Load(), Retries: p.retries.Load(),
-		DeadLettered: p.deadLettered.Load(), Rejected: p.rejected.Load(),
-		InProgress: p.inProgress.Load(), StoreErrors: p.storeErrors.Load(), Reconciled: p.reconciled.Load(),
+	var s Stats
+	p.lanesMu.Lock()
+	defer p.lanesMu.Unlock()
+	p.counts.addTo(&s)
+	for _, l := range p.lanes {
+		l.own.addTo(&s)
 	}
+	return s
 }
 
 // Process runs one message and says what to do with it. It never returns
@@ -345,7 +437,7 @@ func (p *Processor) Process(ctx context.Context, m *Message) Decision {
 	if m == nil {
 		return nilMessage(p)
 	}
-	d := p.process(ctx, m)
+	d := p.process(ctx, m, &p.counts)
 	p.observed(m, d)
 	return d
 }
@@ -521,9 +613,9 @@ func (st *batchRun) decide(ctx context.Context, p *Processor) []Decision {
 			continue
 		case st.batched[i] > 0:
 			it := &st.items[st.batched[i]-1]
-			ds[i] = p.decide(ctx, m, it.key, &it.a, it.err)
+			ds[i] = p.decide(ctx, m, it.key, &it.a, it.err, &p.counts)
 		default:
-			ds[i] = p.process(ctx, m)
+			ds[i] = p.process(ctx, m, &p.counts)
 		}
 		p.observed(m, ds[i])
 	}
@@ -534,15 +626,15 @@ func nilMessage(p *Processor) Decision {
 	return Decision{Action: Retry, Delay: p.cfg.maxDelay, Err: &dedup.ArgumentError{Arg: "message", Reason: "is nil"}}
 }
 
-// process is Process without the observer.
-func (p *Processor) process(ctx context.Context, m *Message) Decision {
+// process is Process without the observer, counting on cn.
+func (p *Processor) process(ctx context.Context, m *Message, cn *counts) Decision {
 	key, err := p.keyOf(m)
 	if err != nil || p.overDelivered(m) {
 		return p.refuse(ctx, m, key, err)
 	}
 	var a applied
 	err = p.run(ctx, m, key, p.fingerprintOf(m), &a)
-	return p.decide(ctx, m, key, &a, err)
+	return p.decide(ctx, m, key, &a, err, cn)
 }
 
 func (p *Processor) observed(m *Message, d Decision) {
@@ -576,38 +668,41 @@ func (p *Processor) overDelivered(m *Message) bool {
 	return p.cfg.maxDeliver > 0 && m.Delivery > p.cfg.maxDeliver
 }
 
-// decide turns what a run did into the decision.
-func (p *Processor) decide(ctx context.Context, m *Message, key dedup.Key, a *applied, err error) Decision {
+// decide turns what a run did into the decision, counted on cn (the
+// processor's counts or a lane's).
+func (p *Processor) decide(ctx context.Context, m *Message, key dedup.Key, a *applied, err error, cn *counts) Decision {
 	if err != nil {
-		return p.failed(ctx, m, key, a, err)
+		return p.failed(ctx, m, key, a, err, cn)
 	}
 	p.track.forget(key)
 	switch {
 	case a.duplicate:
-		p.duplicates.Add(1)
+		cn.duplicates.Add(1)
 		return Decision{Action: Ack, Key: key, Duplicate: true, Result: a.result, Attempt: a.attempt}
 	case a.recorded:
-		p.rejected.Add(1)
+		cn.rejected.Add(1)
 		return Decision{Action: Rejected, Key: key, Result: a.result, Class: ClassBusiness, Attempt: a.attempt}
 	}
-	p.applied.Add(1)
+	cn.applied.Add(1)
 	return Decision{Action: Ack, Key: key, Result: a.result, Attempt: a.attempt}
 }
 
-// failed decides for a run that returned err.
-func (p *Processor) failed(ctx context.Context, m *Message, key dedup.Key, a *applied, err error) Decision {
+// failed decides for a run that returned err. A rejection, a key in
+// progress and a store failure are counted on cn; retries, dead letters
+// and reconciliations on the processor.
+func (p *Processor) failed(ctx context.Context, m *Message, key dedup.Key, a *applied, err error, cn *counts) Decision {
 	if a.recorded && ClassOf(err) == ClassBusiness {
 		// Store mode: the rejection was recorded and the runner returns
 		// the handler's error alongside.
 		p.track.forget(key)
-		p.rejected.Add(1)
+		cn.rejected.Add(1)
 		return Decision{Action: Rejected, Key: key, Result: a.result, Class: ClassBusiness, Attempt: a.attempt, Err: err}
 	}
 	if !a.ran || dedup.IsStoreError(err) {
 		var ipe *dedup.InProgressError
 		switch {
 		case errors.As(err, &ipe):
-			p.inProgress.Add(1)
+			cn.inProgress.Add(1)
 			delay := max(ipe.RetryAfter(p.cfg.clock.Now()), p.cfg.baseDelay)
 			return p.retry(m, key, Decision{Action: Retry, Delay: min(delay, p.cfg.lease), Key: key, Err: err})
 		case errors.Is(err, dedup.ErrFingerprintMismatch):
@@ -617,9 +712,8 @@ func (p *Processor) failed(ctx context.Context, m *Message, key dedup.Key, a *ap
 		}
 		// A store failure, before or after the handler: fail closed. Not an
 		// attempt: a store outage must not dead-letter healthy messages.
-		p.storeErrors.Add(1)
-		n := max(m.Delivery, 1)
-		return p.retry(m, key, Decision{Action: Retry, Delay: p.backoff(n), Key: key, Err: err})
+		cn.storeErrors.Add(1)
+		return p.retry(m, key, Decision{Action: Retry, Delay: p.backoff(max(m.Delivery, 1)), Key: key, Err: err})
 	}
 	class := ClassOf(err)
 	if ctx.Err() != nil && (class == Unclassified || class == ClassTransient) {
@@ -663,7 +757,14 @@ func (p *Processor) run(ctx context.Context, m *Message, key dedup.Key, fp dedup
 		}
 	}()
 	if p.runner != nil {
-		return p.applyStore(ctx, m, key, fp, a)
+		// Store mode: m runs under the runner's claim of key, and a
+		// says what the run did.
+		res, err := p.runner.DoClaim(ctx, key, fp, func(ctx context.Context, c dedup.Claim) ([]byte, error) {
+			a.ran = true
+			return p.runHandler(ctx, m, key, c.TakenOver)
+		})
+		a.set(res)
+		return err
 	}
 	*a, err = p.apply(ctx, p, m, key, fp)
 	return err

@@ -58,6 +58,11 @@ type Consumer struct {
 	// or a shutdown, and before it returns.
 	batches sync.WaitGroup
 
+	// lanes are the processor's lanes the record-mode drains run on, one
+	// per goroutine of a round (see round); made and closed by the loop's
+	// goroutine only.
+	lanes []*consumer.Lane
+
 	lifecycle
 
 	st consumerStats
@@ -320,6 +325,7 @@ func (c *Consumer) loop(ctx context.Context) error {
 	defer func() {
 		c.batches.Wait()
 		settle()
+		c.closeLanes()
 		c.cl.AllowRebalance()
 	}()
 	// Records run on a context that outlives ctx by the drain timeout: a
@@ -489,10 +495,21 @@ func (c *Consumer) round(ctx, rctx context.Context, work []*part) {
 	}
 	ch := make(chan *part)
 	var wg sync.WaitGroup
-	for range min(c.cfg.concurrency, len(work)) {
+	n := min(c.cfg.concurrency, len(work))
+	if c.cfg.batch <= 1 {
+		// Each goroutine counts its decisions on a lane of its own.
+		for len(c.lanes) < n {
+			c.lanes = append(c.lanes, c.p.NewLane())
+		}
+	}
+	for i := range n {
+		var lane *consumer.Lane
+		if c.cfg.batch <= 1 {
+			lane = c.lanes[i]
+		}
 		wg.Go(func() {
 			for pt := range ch {
-				c.drain(ctx, rctx, pt)
+				c.drain(ctx, rctx, pt, lane)
 			}
 		})
 	}
@@ -503,9 +520,20 @@ func (c *Consumer) round(ctx, rctx context.Context, work []*part) {
 	wg.Wait()
 }
 
+// closeLanes closes the lanes of the record-mode drains, once no round
+// runs: their counts go to the processor's.
+func (c *Consumer) closeLanes() {
+	for _, l := range c.lanes {
+		l.Close()
+	}
+	c.lanes = nil
+}
+
 // drain runs pt's backlog in order. A Retry decision holds the partition:
 // the record and those after it stay in the backlog until the delay ends.
-func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
+// In record mode the records run on lane (nil in batch mode), which no
+// other goroutine uses meanwhile.
+func (c *Consumer) drain(ctx, rctx context.Context, pt *part, lane *consumer.Lane) {
 	if c.cfg.batch > 1 {
 		c.drainBatches(ctx, rctx, pt)
 		return
@@ -540,7 +568,7 @@ func (c *Consumer) drain(ctx, rctx context.Context, pt *part) {
 		m, err := newMessage(r, 1+pt.redeliver)
 		d := consumer.Decision{Err: err}
 		if err == nil {
-			d = c.p.Process(rctx, m)
+			d = lane.Process(rctx, m)
 		}
 		if d.Action == 0 {
 			c.st.envelope.Add(1)

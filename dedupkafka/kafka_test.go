@@ -23,15 +23,25 @@ func TestConsumeCommitsToEnd(t *testing.T) {
 	const n = 400
 	produce(t, seeds, "orders", n, 16, nil)
 	eff := newEffects()
-	c := newConsumer(t, seeds, "g", "orders", processor(t, nil, eff, nil))
+	p := processor(t, nil, eff, nil)
+	c := newConsumer(t, seeds, "g", "orders", p)
 	stop := run(t, c)
 	allCommitted(t, seeds, "g", "orders")
+	// The records ran on the consumer's lanes, still open: the processor's
+	// stats count them.
+	if st := p.Stats(); st.Applied != n || st.Duplicates != 0 {
+		t.Errorf("processor stats while running %+v, want %d applied", st, n)
+	}
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
 	eff.check(t, n)
 	if st := c.Stats(); st.Final != n || st.Records != n {
 		t.Errorf("stats %+v, want %d records all final", st, n)
+	}
+	// Run closed its lanes: their counts moved to the processor's, once.
+	if st := p.Stats(); st.Applied != n || st.Duplicates != 0 {
+		t.Errorf("processor stats after Close %+v, want %d applied", st, n)
 	}
 }
 
