@@ -92,14 +92,19 @@ func BenchmarkDrain(b *testing.B) {
 			start := time.Now()
 			rounds(func(byPart [][]*kgo.Record) {
 				work := make([]*part, 0, parts)
+				// Under c.mu, as Consumer.take: in batch mode the decisions
+				// of the batches still in flight cut the backlog meanwhile.
+				c.mu.Lock()
 				for i, rs := range byPart {
 					if len(rs) > 0 {
 						pts[i].backlog = append(pts[i].backlog, rs...)
 						work = append(work, pts[i])
 					}
 				}
+				c.mu.Unlock()
 				c.round(context.Background(), context.Background(), work)
 			})
+			c.batches.Wait() // in batch mode the last batches are decided after round
 			took := time.Since(start)
 			if s := c.Stats(); s.Final != uint64(n) || s.Duplicates != 0 {
 				b.Fatalf("stats %+v: want %d records final, none duplicate", s, n)
@@ -145,13 +150,54 @@ func BenchmarkDrain(b *testing.B) {
 			return float64(n) / took.Seconds()
 		}
 	}
+	// directBatch is the floor's loop with memstore's ClaimBatch and
+	// CompleteBatch of each chunk of batch records called directly (the
+	// processor's key, lease and retention): mem-batch100's construction
+	// floor, as redis-direct is the redis case's in BenchmarkFloors.
+	directBatch := func(batch int) func(b *testing.B) float64 {
+		return func(b *testing.B) float64 {
+			d := newDirectMem(b, "bench-drain")
+			defer d.s.Close()
+			ctx := context.Background()
+			var failed atomic.Value
+			start := time.Now()
+			rounds(func(byPart [][]*kgo.Record) {
+				var wg sync.WaitGroup
+				for _, rs := range byPart {
+					wg.Go(func() {
+						ms := make([]*consumer.Message, batch)
+						for len(rs) > 0 {
+							k := min(batch, len(rs))
+							ids := make([]string, k)
+							for i, r := range rs[:k] {
+								ms[i], _ = newMessage(r, 1)
+								ids[i] = ms[i].ID
+							}
+							if err := d.batch(ctx, ids, ms[:k]); err != nil {
+								failed.Store(err)
+								return
+							}
+							rs = rs[k:]
+						}
+					})
+				}
+				wg.Wait()
+			})
+			took := time.Since(start)
+			if err, _ := failed.Load().(error); err != nil {
+				b.Fatal(err)
+			}
+			return float64(n) / took.Seconds()
+		}
+	}
 	cases := []benchCase{
 		timed("floor", floor(false)),
 		timed("direct", floor(true)),
+		timed("direct-batch100", directBatch(100)),
 		timed("mem", ours(1)),
 		timed("mem-batch100", ours(100)),
 	}
-	benchRotate(b, cases, map[string]string{"direct": "floor", "mem": "floor,direct", "mem-batch100": "floor"})
+	benchRotate(b, cases, map[string]string{"direct": "floor", "mem": "floor,direct", "direct-batch100": "floor", "mem-batch100": "floor,direct-batch100"})
 	for _, c := range cases {
 		if len(cpu[c.name]) > 0 {
 			b.ReportMetric(benchMedian(cpu[c.name]), c.name+"-cpu-ns/rec")
@@ -207,6 +253,40 @@ func (d *directMem) run(ctx context.Context, m *consumer.Message) error {
 		return err
 	}
 	return d.s.Complete(ctx, c, out, directRetention)
+}
+
+// batch claims the chunk ids in one ClaimBatch, runs the no-op handler
+// of each of ms, and completes the claims in one CompleteBatch.
+func (d *directMem) batch(ctx context.Context, ids []string, ms []*consumer.Message) error {
+	reqs := make([]dedup.ClaimRequest, len(ids))
+	for i, id := range ids {
+		reqs[i] = dedup.ClaimRequest{Key: dedup.Key{Scope: d.scope, ID: id}}
+	}
+	cs, err := d.s.ClaimBatch(ctx, reqs, directLease)
+	if err != nil {
+		return err
+	}
+	items := make([]dedup.Completion, len(cs))
+	for i, c := range cs {
+		if c.Outcome != dedup.Acquired {
+			return fmt.Errorf("direct floor: %s claimed %s, want acquired", ids[i], c.Outcome)
+		}
+		out, err := benchHandler(ctx, ms[i], consumer.Delivery{Key: c.Key, Attempt: 1})
+		if err != nil {
+			return err
+		}
+		items[i] = dedup.Completion{Claim: c, Result: out}
+	}
+	errs, err := d.s.CompleteBatch(ctx, items, directRetention)
+	if err != nil {
+		return err
+	}
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // worker is run as floorConsumeWith's claim and complete, for chunks of
