@@ -96,8 +96,9 @@ type PendingBatch struct {
 // consumer.Pipeline). Finish must be called exactly once, from any
 // goroutine; nothing the batch claimed is completed before it.
 func (r *Runner) StartBatch(ctx context.Context, reqs []ClaimRequest, h BatchHandler) *PendingBatch {
-	res, errs := make([]Result, len(reqs)), make([]error, len(reqs))
-	b := &batch{r: r, ctx: ctx, reqs: reqs, h: h, res: res, errs: errs}
+	mem := r.takeMem()
+	res, errs := mem.results(len(reqs))
+	b := &batch{r: r, ctx: ctx, reqs: reqs, h: h, res: res, errs: errs, mem: mem}
 	pb := &PendingBatch{b: b}
 	if h == nil {
 		for i := range errs {
@@ -153,6 +154,81 @@ func (pb *PendingBatch) Finish() ([]Result, []error) {
 	return b.res, b.errs
 }
 
+// Release hands the batch's working memory back to the runner once
+// Finish returned, so that a later batch of the runner is made in it
+// (the Results and errors Finish returned, the claims' state, the
+// completions): a caller that runs batch after batch and copies what
+// Finish returned (as consumer.Processor does) allocates them once
+// instead of once a batch. After Release the slices Finish returned must
+// not be read: a later batch writes them. Release before Finish (while
+// the batch's claims and heartbeat may still use the memory) does
+// nothing, as does a second Release.
+func (pb *PendingBatch) Release() {
+	b := pb.b
+	if !pb.done || b.mem == nil {
+		return
+	}
+	mem := b.mem
+	b.mem, b.res, b.errs, b.idx, b.st = nil, nil, nil, nil, nil
+	pb.pending, pb.at = nil, nil
+	mem.clear()
+	r := b.r
+	r.freeMu.Lock()
+	if len(r.free) < maxFreeBatches {
+		r.free = append(r.free, mem)
+	}
+	r.freeMu.Unlock()
+}
+
+// maxFreeBatches bounds the released batches' memory a runner keeps: as
+// many as the batches a busy caller has between StartBatch and Release
+// at once (a consumer's partitions times its pipeline depth), beyond
+// which a batch allocates.
+const maxFreeBatches = 16
+
+// takeMem returns the memory of a batch released earlier, or new memory.
+func (r *Runner) takeMem() *batchMem {
+	r.freeMu.Lock()
+	defer r.freeMu.Unlock()
+	if n := len(r.free); n > 0 {
+		mem := r.free[n-1]
+		r.free[n-1], r.free = nil, r.free[:n-1]
+		return mem
+	}
+	return &batchMem{}
+}
+
+// batchMem is a batch's working memory, which a released batch hands to
+// a later one (see PendingBatch.Release): each slice is kept at its
+// capacity, emptied of every reference when released.
+type batchMem struct {
+	res     []Result
+	errs    []error
+	idx     []int
+	st      []held
+	pending []Completion
+	at      []int
+}
+
+// results returns zeroed Results and errors for n requests, in mem's
+// memory when it is large enough.
+func (mem *batchMem) results(n int) ([]Result, []error) {
+	if cap(mem.res) < n {
+		mem.res, mem.errs = make([]Result, n), make([]error, n)
+	}
+	mem.res, mem.errs = mem.res[:n], mem.errs[:n]
+	return mem.res, mem.errs
+}
+
+// clear drops every reference the memory holds (results, errors,
+// claims) and empties it, keeping the capacity.
+func (mem *batchMem) clear() {
+	clear(mem.res)
+	clear(mem.errs)
+	clear(mem.pending[:cap(mem.pending)])
+	mem.res, mem.errs, mem.idx, mem.st, mem.pending, mem.at = mem.res[:0], mem.errs[:0], mem.idx[:0], mem.st[:0], mem.pending[:0], mem.at[:0]
+}
+
 // alone does request i as Do does, returning a panic as a *PanicError.
 func (r *Runner) alone(ctx context.Context, reqs []ClaimRequest, i int, h BatchHandler) (res Result, err error) {
 	defer func() {
@@ -181,9 +257,12 @@ type batch struct {
 	alone  []int // requests done alone after the batch
 
 	start time.Time // of the batch claim
-	mu    sync.Mutex
-	cond  sync.Cond
-	st    []held
+	// mem is the memory res, errs, idx, st and the completions were made
+	// in, handed back to the runner by PendingBatch.Release.
+	mem  *batchMem
+	mu   sync.Mutex
+	cond sync.Cond
+	st   []held
 	// The heartbeat (guarded by mu): its timer, when its beat is due, the
 	// context of its extensions (made by the first beat, ended when it
 	// stops: a store that hangs must not hold Finish for as long as the
@@ -241,7 +320,10 @@ func (b *batch) claim() {
 			strconv.Itoa(len(cs)) + " claims for " + strconv.Itoa(len(valid)) + " requests")}
 	}
 	took := time.Since(b.start)
-	b.idx = make([]int, 0, len(valid))
+	if cap(b.mem.idx) < len(valid) {
+		b.mem.idx = make([]int, 0, len(valid))
+	}
+	b.idx = b.mem.idx[:0]
 	for j := range valid {
 		i := j
 		if at != nil {
@@ -264,7 +346,9 @@ func (b *batch) claim() {
 		}
 		var done bool
 		if b.res[i], done, b.errs[i] = settled(c); !done {
-			cs[len(b.idx)] = *c // cs is ours: keep the acquired claims at its front
+			if n := len(b.idx); n != j {
+				cs[n] = *c // cs is ours: keep the acquired claims at its front
+			}
 			b.idx = append(b.idx, i)
 		}
 	}
@@ -272,9 +356,14 @@ func (b *batch) claim() {
 		return
 	}
 	b.claims = cs[:len(b.idx)]
-	b.st = make([]held, len(b.claims))
+	b.mem.idx = b.idx
+	if cap(b.mem.st) < len(b.claims) {
+		b.mem.st = make([]held, len(b.claims))
+	}
+	b.st = b.mem.st[:len(b.claims)]
+	b.mem.st = b.st
 	for j := range b.st {
-		b.st[j].waiting = true
+		b.st[j] = held{waiting: true}
 	}
 }
 
@@ -292,8 +381,10 @@ func (pb *PendingBatch) runHandlers(ext Extender) {
 		b.startHeartbeat(ext)
 		pb.beats = true
 	}
-	pb.pending = make([]Completion, 0, len(b.claims))
-	pb.at = make([]int, 0, len(b.claims))
+	if mem := b.mem; cap(mem.pending) < len(b.claims) {
+		mem.pending, mem.at = make([]Completion, 0, len(b.claims)), make([]int, 0, len(b.claims))
+	}
+	pb.pending, pb.at = b.mem.pending[:0], b.mem.at[:0]
 	aborted := false // a handler panicked
 	for j := range b.claims {
 		c, i := &b.claims[j], b.idx[j]

@@ -619,3 +619,62 @@ func frozenExtends(t *testing.T) (extendHook, <-chan struct{}) {
 		return dedup.Claim{}, ctx.Err()
 	}}, entered
 }
+
+// TestReleasedBatchMemoryIsReused: a batch released after Finish hands
+// its memory to the runner's next batch, which returns exactly what
+// DoBatch returns for its requests (nothing of the first batch's results
+// or errors left in it); a batch not released, or released before its
+// Finish (which does nothing), keeps its memory: the next batch is made
+// in other memory and the first one's slices stay as Finish returned
+// them.
+func TestReleasedBatchMemoryIsReused(t *testing.T) {
+	ctx := context.Background()
+	s, _ := newMem(t)
+	r := newRunner(t, s, dedup.WithClassifier(classify))
+	c, _ := s.Claim(ctx, k("rdup"), "", time.Minute)
+	s.Complete(ctx, c, []byte("stored"), time.Hour)
+	var h byID
+	// The first batch: errors and results where the second has none.
+	first := []dedup.ClaimRequest{{Key: k("fails")}, {Key: k("rdup")}, {Key: dedup.Key{Scope: "test", ID: "bad\x00id"}}, {Key: k("r1")}}
+	pb := r.StartBatch(ctx, first, h.handler(first))
+	res1, errs1 := pb.Finish()
+	if errs1[0] == nil || !res1[1].Duplicate || errs1[2] == nil || errs1[3] != nil {
+		t.Fatalf("first batch: %+v %v", res1, errs1)
+	}
+	at := &res1[0]
+	pb.Release()
+	pb.Release() // a second Release does nothing
+
+	// An invalid key where the first batch had a duplicate: its Result is
+	// the zero one, not the duplicate's left in the memory.
+	second := []dedup.ClaimRequest{{Key: k("r2")}, {Key: dedup.Key{Scope: "test", ID: "bad\x01id"}}, {Key: k("r4")}}
+	s2, _ := newMem(t)
+	var h2 byID
+	want, wantErrs := newRunner(t, s2, dedup.WithClassifier(classify)).DoBatch(ctx, second, h2.handler(second))
+	pb = r.StartBatch(ctx, second, h.handler(second))
+	res2, errs2 := pb.Finish()
+	if &res2[0] != at {
+		t.Error("the second batch was not made in the memory the first one released")
+	}
+	for i := range second {
+		if g, w := fmt.Sprintf("%+v %v", res2[i], errs2[i]), fmt.Sprintf("%+v %v", want[i], wantErrs[i]); g != w {
+			t.Errorf("request %d in released memory: %s, want %s", i, g, w)
+		}
+	}
+
+	// Not released, or released before its Finish (which does nothing):
+	// the batch keeps its memory.
+	third := []dedup.ClaimRequest{{Key: k("r5")}, {Key: k("r6")}}
+	pb3 := r.StartBatch(ctx, third, h.handler(third))
+	pb3.Release()
+	res3, errs3 := pb3.Finish()
+	snap := fmt.Sprintf("%+v %v %+v %v", res2, errs2, res3, errs3)
+	fourth := []dedup.ClaimRequest{{Key: k("fails")}, {Key: k("rdup")}}
+	res4, _ := r.DoBatch(ctx, fourth, h.handler(fourth))
+	if &res4[0] == &res2[0] || &res4[0] == &res3[0] {
+		t.Error("a batch was made in the memory of a batch not released")
+	}
+	if got := fmt.Sprintf("%+v %v %+v %v", res2, errs2, res3, errs3); got != snap {
+		t.Errorf("the results of batches not released changed:\n %s\nwere\n %s", got, snap)
+	}
+}

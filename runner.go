@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -65,6 +66,10 @@ type Result struct {
 type Runner struct {
 	store Store
 	cfg   runnerConfig
+	// free keeps the working memory of released batches for later
+	// ones (see PendingBatch.Release): at most maxFreeBatches.
+	freeMu sync.Mutex
+	free   []*batchMem
 }
 
 type runnerConfig struct {

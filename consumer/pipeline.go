@@ -61,6 +61,9 @@ type Pipeline struct {
 	// the next batches are prepared in their memory (at most depth + 1
 	// exist: depth in flight and one being prepared).
 	free []*batchRun
+	// decisions holds the decision slices handed back by Recycle, whose
+	// memory later batches are decided in.
+	decisions [][]Decision
 }
 
 // NewPipeline returns a pipeline of p with at most depth batches in flight
@@ -72,7 +75,8 @@ func (p *Processor) NewPipeline(depth int) *Pipeline {
 // Submit claims the batch ms and runs its handlers, then returns while
 // the batch's completion and decisions go on: done gets the decisions, one
 // per message in the order of ms, as ProcessBatch returns them (a new
-// slice, done's to keep). Submit
+// slice, done's to keep, unless done hands it back with
+// [Pipeline.Recycle]). Submit
 // reports whether the batch was clean: every message was claimed with the
 // batch and its handler succeeded, so that only its completion can still
 // turn a decision into a Retry. An adapter that stops at a Retry (a Kafka
@@ -118,7 +122,13 @@ func (pl *Pipeline) Submit(ctx context.Context, ms []*Message, done func([]Decis
 		if prev != nil {
 			<-prev
 		}
-		ds := st.decide(ctx, p)
+		pl.mu.Lock()
+		var into []Decision
+		if n := len(pl.decisions); n > 0 {
+			into, pl.decisions = pl.decisions[n-1], pl.decisions[:n-1]
+		}
+		pl.mu.Unlock()
+		ds := st.decideInto(ctx, p, into)
 		pl.mu.Lock()
 		pl.flight = slices.DeleteFunc(pl.flight, func(f *batchRun) bool { return f == st })
 		pl.mu.Unlock()
@@ -140,17 +150,29 @@ func (pl *Pipeline) Submit(ctx context.Context, ms []*Message, done func([]Decis
 // and out of a shared map. The caller holds pl.mu.
 func (pl *Pipeline) overlaps(st *batchRun) bool {
 	for _, f := range pl.flight {
-		a, b := st.keys, f.seen // look the smaller set up in the larger
-		if len(f.keys) < len(a) {
-			a, b = f.keys, st.seen
-		}
-		for _, k := range a {
-			if _, ok := b[k]; ok {
-				return true
-			}
+		if st.keys.meets(&f.keys) {
+			return true
 		}
 	}
 	return false
+}
+
+// Recycle hands back the decisions a batch's done got, once nothing
+// reads them any more (done made the acknowledgements and kept nothing
+// that points into them): a later batch is decided in their memory
+// instead of a new slice. Call it at most once for a slice, from done or
+// after it returned, and never for a slice still read: the next done may
+// get it, with other decisions written in it.
+func (pl *Pipeline) Recycle(ds []Decision) {
+	if cap(ds) == 0 {
+		return
+	}
+	clear(ds[:cap(ds)]) // drops the keys, results and errors they hold
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	if len(pl.decisions) < cap(pl.slots) { // more are never in use at once
+		pl.decisions = append(pl.decisions, ds[:0])
+	}
 }
 
 // Wait waits until every batch submitted was decided and its done

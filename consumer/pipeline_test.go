@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"github.com/dedupkit/dedup"
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/internal/redistest"
+	"github.com/dedupkit/dedup/memstore"
 	"github.com/dedupkit/dedup/redisstore"
 )
 
@@ -602,5 +604,58 @@ func TestPipelineReusesNoMemoryInFlight(t *testing.T) {
 				t.Errorf("%s ran %d times, want 1", id, ran.count(id))
 			}
 		}
+	}
+}
+
+// TestPipelineRecycledDecisions: decisions handed back with Recycle are
+// the memory a later batch is decided in, and that batch gets its own
+// decisions, nothing of the earlier batch's left (a duplicate flag, a
+// result); decisions not handed back are never written again.
+func TestPipelineRecycledDecisions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s, err := memstore.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	p, err := consumer.New("pipe-recycle", s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		return []byte("r:" + m.ID), nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := p.NewPipeline(2)
+	run := func(recycle bool, ids ...string) []consumer.Decision {
+		var got []consumer.Decision
+		pl.Submit(ctx, msgs(ids...), func(ds []consumer.Decision) {
+			got = ds
+			if recycle {
+				pl.Recycle(ds)
+			}
+		})
+		pl.Wait()
+		return got
+	}
+	first := run(true, "a", "b", "c")
+	at := &first[0]
+	// "a" again: a duplicate, now first where the first batch's was not.
+	second := run(false, "d", "a")
+	if &second[0] != at {
+		t.Error("the second batch was not decided in the decisions the first recycled")
+	}
+	if d := second[0]; d.Action != consumer.Ack || d.Duplicate || d.Key.ID != "d" || string(d.Result) != "r:d" {
+		t.Errorf("d decided %+v in recycled memory", d)
+	}
+	if d := second[1]; d.Action != consumer.Ack || !d.Duplicate || d.Key.ID != "a" || string(d.Result) != "r:a" {
+		t.Errorf("a decided %+v in recycled memory, want a duplicate", d)
+	}
+	kept := fmt.Sprintf("%+v", second)
+	third := run(true, "e", "f")
+	if &third[0] == &second[0] {
+		t.Error("a batch was decided in decisions not recycled")
+	}
+	if got := fmt.Sprintf("%+v", second); got != kept {
+		t.Errorf("decisions not recycled changed: %s, were %s", got, kept)
 	}
 }

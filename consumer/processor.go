@@ -270,6 +270,8 @@ func New(name string, store dedup.Store, h Handler, opts ...Option) (*Processor,
 				it.a.set(res[j])
 				it.err = errs[j]
 			}
+			// Copied: the runner may make a later batch in their memory.
+			pb.Release()
 		}, pb
 	}
 	return p, nil
@@ -509,10 +511,9 @@ func (p *Processor) ProcessBatch(ctx context.Context, ms []*Message) []Decision 
 type batchRun struct {
 	ms      []*Message
 	items   []batchItem
-	batched []int // 1 + the message's index in items; 0: processed alone
-	keys    []dedup.Key
-	seen    map[dedup.Key]struct{} // keys, as a set
-	reqs    []dedup.ClaimRequest   // the claims of items, handed to the runner
+	batched []int                // 1 + the message's index in items; 0: processed alone
+	keys    keySet               // the batch's keys
+	reqs    []dedup.ClaimRequest // the claims of items, handed to the runner
 	// alone is set when a message is processed alone in its turn with its
 	// handler (its key repeats one earlier in the batch).
 	alone bool
@@ -530,15 +531,11 @@ func (p *Processor) prepare(st *batchRun, ms []*Message) *batchRun {
 	if cap(st.items) < len(ms) {
 		st.items = make([]batchItem, 0, len(ms))
 		st.batched = make([]int, len(ms))
-		st.keys = make([]dedup.Key, 0, len(ms))
+		st.keys.grow(len(ms))
 	} else {
 		st.batched = st.batched[:len(ms)]
 		clear(st.batched)
 	}
-	if st.seen == nil {
-		st.seen = make(map[dedup.Key]struct{}, len(ms))
-	}
-	seen := st.seen
 	for i, m := range ms {
 		if m == nil {
 			continue
@@ -547,13 +544,10 @@ func (p *Processor) prepare(st *batchRun, ms []*Message) *batchRun {
 		if err != nil {
 			continue // dead-lettered in its turn
 		}
-		n := len(seen)
-		seen[key] = struct{}{}
-		if len(seen) == n { // one map operation, not a lookup and an insert
+		if !st.keys.add(key) {
 			st.alone = true
 			continue
 		}
-		st.keys = append(st.keys, key)
 		if p.overDelivered(m) {
 			continue
 		}
@@ -569,10 +563,9 @@ func (p *Processor) prepare(st *batchRun, ms []*Message) *batchRun {
 // memory. The decisions are not recycled: done may keep them.
 func (st *batchRun) recycle() {
 	clear(st.items)
-	clear(st.keys)
 	clear(st.reqs)
-	clear(st.seen)
-	*st = batchRun{items: st.items[:0], batched: st.batched[:0], keys: st.keys[:0], seen: st.seen, reqs: st.reqs[:0]}
+	st.keys.reset()
+	*st = batchRun{items: st.items[:0], batched: st.batched[:0], keys: st.keys, reqs: st.reqs[:0]}
 }
 
 // start claims the batch and runs its handlers.
@@ -605,7 +598,18 @@ func (st *batchRun) finish() {
 // batch (no valid key, over the delivery limit, or a key repeated) is
 // processed alone in its turn, after the messages before it decided.
 func (st *batchRun) decide(ctx context.Context, p *Processor) []Decision {
-	ds := make([]Decision, len(st.ms)) // the caller's to keep: never recycled
+	return st.decideInto(ctx, p, nil)
+}
+
+// decideInto is decide in the memory of into (empty, from
+// Pipeline.Recycle) when it is large enough, else in a new slice.
+func (st *batchRun) decideInto(ctx context.Context, p *Processor, into []Decision) []Decision {
+	var ds []Decision
+	if cap(into) >= len(st.ms) {
+		ds = into[:len(st.ms)]
+	} else {
+		ds = make([]Decision, len(st.ms))
+	}
 	for i, m := range st.ms {
 		switch {
 		case m == nil:

@@ -709,6 +709,7 @@ func (c *Consumer) drainBatches(ctx, rctx context.Context, pt *part) {
 				}
 			}
 			c.decideBatch(ctx, rctx, pt, gen, recs, ms, errs, ds)
+			pt.pl.Recycle(rds) // decideBatch kept nothing of them
 		})
 		if !clean || len(run) < n {
 			pt.pl.Wait()
