@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"fmt"
+	"sync"
 
 	"github.com/dedupkit/dedup/consumer"
 	"github.com/dedupkit/dedup/memstore"
@@ -33,4 +34,39 @@ func Example() {
 	// ack false receipt for evt-1
 	// ack true receipt for evt-1
 	// charges: 1
+}
+
+// A lane per goroutine: each worker processes its messages on a lane of
+// its own, so that the workers do not all write one counter a message.
+// The processor's Stats count the lanes' decisions while they are open;
+// Close moves a lane's counts to the processor once its worker is done.
+func ExampleProcessor_NewLane() {
+	store, _ := memstore.New()
+	defer store.Close()
+	p, err := consumer.New("payments", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		return []byte("receipt for " + m.ID), nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		panic(err)
+	}
+	var wg sync.WaitGroup
+	for w := range 3 {
+		wg.Go(func() {
+			lane := p.NewLane()
+			defer lane.Close() // without it p keeps the lane (and adds it in at each Stats) for good
+			for i := range 4 {
+				// Every message is delivered twice: the second is a duplicate.
+				m := &consumer.Message{ID: fmt.Sprintf("evt-%d-%d", w, i), Payload: []byte(`{}`)}
+				for delivery := 1; delivery <= 2; delivery++ {
+					m.Delivery = delivery
+					lane.Process(context.Background(), m)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	s := p.Stats()
+	fmt.Println("applied:", s.Applied, "duplicates:", s.Duplicates)
+	// Output:
+	// applied: 12 duplicates: 12
 }
