@@ -73,6 +73,10 @@ var shapedMark = strings.Replace(shaped, "force_generic_plan", "force_custom_pla
 // partitions spread a batch over ~16 times its size); else as an array.
 const markBitsMax = 256
 
+// fetchRoom: the most messages a read makes room for before it has them
+// (the relay's largest batch); a larger read grows its slice.
+const fetchRoom = 10000
+
 var (
 	_ outbox.Source     = (*OutboxSource)(nil)
 	_ outbox.Notifier   = (*OutboxSource)(nil)
@@ -453,6 +457,8 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 	defer rows.Close()
 	// out is made at the first row, with room for the whole batch: a
 	// full batch grown from a small slice copied its messages four times.
+	// The room is at most fetchRoom messages: a direct caller's limit may
+	// be far above the rows there are (math.MaxInt32 made 257 GB).
 	var out []outbox.Message
 	var later map[string]bool
 	cut := func(k []byte) {
@@ -510,8 +516,8 @@ func (o *OutboxSource) fetch(ctx context.Context, l outbox.Lease, inflight []out
 			topic = string(tb)
 		}
 		if out == nil {
-			out = make([]outbox.Message, 0, limit)
-			spans = make([]int, 0, 2*limit)
+			out = make([]outbox.Message, 0, min(limit, fetchRoom))
+			spans = make([]int, 0, 2*cap(out))
 		}
 		text = append(text, ib...)
 		spans = append(spans, len(text))
