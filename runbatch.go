@@ -77,8 +77,11 @@ func (r *Runner) DoBatch(ctx context.Context, reqs []ClaimRequest, h BatchHandle
 type PendingBatch struct {
 	b     *batch
 	clean bool
-	done  bool
-	beats bool // a heartbeat runs
+	done  bool // Finish was called
+	// finished is set once Finish returned: a Finish cut short (a hook
+	// panicked) may leave the heartbeat writing the claims' state.
+	finished bool
+	beats    bool // a heartbeat runs
 	// The successes and the failures to record, completed by Finish.
 	pending []Completion
 	at      []int   // index into b.claims of each pending completion
@@ -151,6 +154,7 @@ func (pb *PendingBatch) Finish() ([]Result, []error) {
 	for _, i := range b.alone {
 		b.res[i], b.errs[i] = b.r.alone(b.ctx, b.reqs, i, b.h)
 	}
+	pb.finished = true
 	return b.res, b.errs
 }
 
@@ -160,12 +164,16 @@ func (pb *PendingBatch) Finish() ([]Result, []error) {
 // completions): a caller that runs batch after batch and copies what
 // Finish returned (as consumer.Processor does) allocates them once
 // instead of once a batch. After Release the slices Finish returned must
-// not be read: a later batch writes them. Release before Finish (while
-// the batch's claims and heartbeat may still use the memory) does
-// nothing, as does a second Release.
+// not be read, nor Finish called again (it then returns nil slices): a
+// later batch writes them. Release does nothing unless Finish returned:
+// called before it, or after a Finish cut short by a panic (a hook's,
+// recovered by the caller; a deferred Release runs then), it leaves the
+// memory to the batch, whose heartbeat may still write it. A second
+// Release does nothing. Call it on Finish's goroutine, or after Finish
+// returned.
 func (pb *PendingBatch) Release() {
 	b := pb.b
-	if !pb.done || b.mem == nil {
+	if !pb.finished || b.mem == nil {
 		return
 	}
 	mem := b.mem

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -676,5 +677,55 @@ func TestReleasedBatchMemoryIsReused(t *testing.T) {
 	}
 	if got := fmt.Sprintf("%+v %v %+v %v", res2, errs2, res3, errs3); got != snap {
 		t.Errorf("the results of batches not released changed:\n %s\nwere\n %s", got, snap)
+	}
+}
+
+// TestReleaseAfterCutShortFinishKeepsMemory: a Finish cut short (a hook
+// panicked in it, before the heartbeat was stopped) did not finish the
+// batch, so a Release after it (as a deferred Release runs once the
+// panic was recovered) does nothing: the batch's heartbeat may still
+// write the claims' state, and a later batch made in that memory would
+// have it overwritten. Fails when Release hands back the memory of a
+// batch whose Finish did not return.
+func TestReleaseAfterCutShortFinishKeepsMemory(t *testing.T) {
+	ctx := context.Background()
+	s, _ := newMem(t)
+	var boom atomic.Bool
+	r := newRunner(t, s, dedup.WithHooks(dedup.HookFunc(func(_ context.Context, e any) {
+		if f, ok := e.(dedup.FinishEvent); ok && f.Op == "complete" && boom.Load() {
+			panic("hook bug")
+		}
+	})))
+	var h byID
+	// A batch finished and released: its memory is the runner's next.
+	first := []dedup.ClaimRequest{{Key: k("cs1")}, {Key: k("cs2")}}
+	pb := r.StartBatch(ctx, first, h.handler(first))
+	res1, _ := pb.Finish()
+	at := &res1[0]
+	pb.Release()
+
+	// The next batch is made in it (two claims: a heartbeat runs), and its
+	// Finish is cut short by the hook's panic.
+	second := []dedup.ClaimRequest{{Key: k("cs3")}, {Key: k("cs4")}}
+	pb = r.StartBatch(ctx, second, h.handler(second))
+	boom.Store(true)
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("Finish did not panic with its hook")
+			}
+		}()
+		defer pb.Release()
+		pb.Finish()
+	}()
+	boom.Store(false)
+
+	third := []dedup.ClaimRequest{{Key: k("cs5")}, {Key: k("cs6")}}
+	res3, errs3 := r.DoBatch(ctx, third, h.handler(third))
+	if &res3[0] == at {
+		t.Error("a batch was made in the memory of a batch whose Finish was cut short")
+	}
+	if errs3[0] != nil || errs3[1] != nil {
+		t.Errorf("third batch: %v", errs3)
 	}
 }
