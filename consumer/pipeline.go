@@ -160,16 +160,26 @@ func (pl *Pipeline) overlaps(st *batchRun) bool {
 // Recycle hands back the decisions a batch's done got, once nothing
 // reads them any more (done made the acknowledgements and kept nothing
 // that points into them): a later batch is decided in their memory
-// instead of a new slice. Call it at most once for a slice, from done or
-// after it returned, and never for a slice still read: the next done may
-// get it, with other decisions written in it.
+// instead of a new slice. Recycle is optional: a slice not handed back
+// is never written again. Call it from done or after it returned, and
+// never for a slice still read (done must not keep it, nor anything that
+// points into it, such as &ds[i]): the next done may get it, with other
+// decisions written in it. A slice handed back again before a batch took
+// it is kept once; handed back again after that (while a later done
+// holds it) it would be shared, so call it at most once for a slice.
 func (pl *Pipeline) Recycle(ds []Decision) {
 	if cap(ds) == 0 {
 		return
 	}
-	clear(ds[:cap(ds)]) // drops the keys, results and errors they hold
+	clear(ds[:cap(ds)])             // drops the keys, results and errors they hold
+	end := &ds[:cap(ds)][cap(ds)-1] // the same for every slice of its array
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
+	for _, d := range pl.decisions {
+		if &d[:cap(d)][cap(d)-1] == end {
+			return // handed back twice: kept once, or two batches would share it
+		}
+	}
 	if len(pl.decisions) < cap(pl.slots) { // more are never in use at once
 		pl.decisions = append(pl.decisions, ds[:0])
 	}

@@ -659,3 +659,50 @@ func TestPipelineRecycledDecisions(t *testing.T) {
 		t.Errorf("decisions not recycled changed: %s, were %s", got, kept)
 	}
 }
+
+// TestPipelineRecycleTwiceIsOnce: a slice handed back twice (a done that
+// recycles in a deferred call and again on its path, or an adapter and
+// its caller both) is kept once: two later batches are never decided in
+// the same memory, so the decisions a done kept (not recycled) are not
+// overwritten by the batch after it. Fails when Recycle keeps a slice
+// each time it is handed back.
+func TestPipelineRecycleTwiceIsOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s, err := memstore.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	p, err := consumer.New("pipe-recycle-twice", s, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		return []byte("r:" + m.ID), nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := p.NewPipeline(2)
+	run := func(recycles int, ids ...string) []consumer.Decision {
+		var got []consumer.Decision
+		pl.Submit(ctx, msgs(ids...), func(ds []consumer.Decision) {
+			got = ds
+			for range recycles {
+				pl.Recycle(ds)
+			}
+		})
+		pl.Wait()
+		return got
+	}
+	run(2, "a", "b", "c")
+	kept := run(0, "d", "e") // done keeps these
+	snap := fmt.Sprintf("%+v", kept)
+	next := run(0, "f", "g")
+	if &next[0] == &kept[0] {
+		t.Error("two batches were decided in one slice recycled twice")
+	}
+	if got := fmt.Sprintf("%+v", kept); got != snap {
+		t.Errorf("decisions kept by done changed: %s, were %s", got, snap)
+	}
+	if next[0].Key.ID != "f" || next[1].Key.ID != "g" {
+		t.Errorf("next batch decided %+v", next)
+	}
+}
