@@ -92,3 +92,40 @@ func Example_packageDoc() {
 	// ack <nil>
 	// ack duplicate <nil>
 }
+
+// A caller that runs batch after batch copies what Finish returned and
+// then releases the batch, so that the next batch is made in its memory
+// instead of new slices. Release is deferred: after a Finish cut short by
+// a panic it does nothing.
+func ExamplePendingBatch_Release() {
+	store, _ := memstore.New()
+	defer store.Close()
+	r, _ := dedup.NewRunner(store)
+	ctx := context.Background()
+	receipts := map[string]string{} // copied out of each batch's results
+	runBatch := func(ids ...string) {
+		reqs := make([]dedup.ClaimRequest, len(ids))
+		for i, id := range ids {
+			reqs[i].Key, _ = dedup.NewKey("payments", id)
+		}
+		pb := r.StartBatch(ctx, reqs, func(ctx context.Context, i int, c dedup.Claim) ([]byte, error) {
+			return []byte("receipt-" + ids[i]), nil
+		})
+		defer pb.Release() // after this, res and errs belong to a later batch
+		res, errs := pb.Finish()
+		for i, id := range ids {
+			if errs[i] == nil {
+				receipts[id] = fmt.Sprint(string(res[i].Result), " duplicate=", res[i].Duplicate)
+			}
+		}
+	}
+	runBatch("evt-1", "evt-2")
+	runBatch("evt-2", "evt-3") // made in the first batch's memory
+	for _, id := range []string{"evt-1", "evt-2", "evt-3"} {
+		fmt.Println(id, receipts[id])
+	}
+	// Output:
+	// evt-1 receipt-evt-1 duplicate=false
+	// evt-2 receipt-evt-2 duplicate=true
+	// evt-3 receipt-evt-3 duplicate=false
+}

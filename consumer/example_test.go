@@ -70,3 +70,44 @@ func ExampleProcessor_NewLane() {
 	// Output:
 	// applied: 12 duplicates: 12
 }
+
+// A pipeline's done acknowledges its batch's messages and hands the
+// decisions back with Recycle, so that a later batch is decided in their
+// memory: done keeps nothing of them (a copy of a field is fine, ds or
+// &ds[i] is not). Recycle is optional; a done that keeps the decisions
+// does not call it.
+func ExamplePipeline_Recycle() {
+	store, _ := memstore.New()
+	defer store.Close()
+	p, err := consumer.New("payments", store, func(ctx context.Context, m *consumer.Message, d consumer.Delivery) ([]byte, error) {
+		return []byte("receipt for " + m.ID), nil
+	}, consumer.WithDeadLetter(&consumer.MemoryDLQ{}))
+	if err != nil {
+		panic(err)
+	}
+	pl := p.NewPipeline(2)
+	acked := []string{} // the adapter's acknowledgements, copied out
+	for _, ids := range [][]string{{"evt-1", "evt-2"}, {"evt-2", "evt-3"}} {
+		batch := make([]*consumer.Message, len(ids))
+		for i, id := range ids {
+			batch[i] = &consumer.Message{ID: id, Delivery: 1}
+		}
+		pl.Submit(context.Background(), batch, func(ds []consumer.Decision) {
+			for i, d := range ds {
+				if d.Acknowledge() {
+					acked = append(acked, fmt.Sprint(batch[i].ID, " duplicate=", d.Duplicate))
+				}
+			}
+			pl.Recycle(ds) // nothing reads ds any more
+		})
+	}
+	pl.Wait()
+	for _, a := range acked {
+		fmt.Println(a)
+	}
+	// Output:
+	// evt-1 duplicate=false
+	// evt-2 duplicate=false
+	// evt-2 duplicate=true
+	// evt-3 duplicate=false
+}
