@@ -10,17 +10,27 @@ import (
 
 // TestKeySetAsMap: keySet answers as a map of the same keys would, for
 // sets large enough that many keys share a filter bit (1,000 keys in
-// 4,096 bits), keys that differ only in their scope, an empty scope, and
-// sets that are reset and filled again.
+// 4,096 bits) or every bit is set (up to 16,000 keys: looked up in the
+// index), sets around the size at which the index is made, keys that
+// differ only in their scope, an empty scope, and sets that are reset and
+// filled again (small after large: an index left over must not answer).
 func TestKeySetAsMap(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
+	space := 3000
 	key := func() dedup.Key {
 		scopes := []string{"", "a", "b", "orders"}
-		return dedup.Key{Scope: scopes[rng.IntN(len(scopes))], ID: strconv.Itoa(rng.IntN(3000))}
+		return dedup.Key{Scope: scopes[rng.IntN(len(scopes))], ID: strconv.Itoa(rng.IntN(space))}
 	}
 	var a, b keySet
-	for round := range 20 {
+	for round := range 30 {
 		n := 1 + rng.IntN(1000)
+		space = 3000
+		switch round % 3 {
+		case 1: // around the scan's limit, where the index is made
+			n = keySetScan - 2 + rng.IntN(6)
+		case 2: // more keys than the filter's bits: every bit set
+			n, space = 4096+rng.IntN(12000), 30000
+		}
 		ma, mb := map[dedup.Key]bool{}, map[dedup.Key]bool{}
 		a.reset()
 		b.reset()
