@@ -147,15 +147,23 @@ func (pb *PendingBatch) Finish() ([]Result, []error) {
 		return b.res, b.errs
 	}
 	pb.done = true
-	pb.completeAll()
-	if pb.beats {
-		b.stopHeartbeat()
-	}
+	pb.completeStopped()
 	for _, i := range b.alone {
 		b.res[i], b.errs[i] = b.r.alone(b.ctx, b.reqs, i, b.h)
 	}
 	pb.finished = true
 	return b.res, b.errs
+}
+
+// completeStopped completes the batch and then stops its heartbeat, also
+// when the completion is cut short by a panic (a hook's): a heartbeat left
+// running would re-arm its timer for the life of the process and extend
+// any claim still waiting, whose lease would then never end.
+func (pb *PendingBatch) completeStopped() {
+	if pb.beats {
+		defer pb.b.stopHeartbeat()
+	}
+	pb.completeAll()
 }
 
 // Release hands the batch's working memory back to the runner once

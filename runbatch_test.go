@@ -729,3 +729,34 @@ func TestReleaseAfterCutShortFinishKeepsMemory(t *testing.T) {
 		t.Errorf("third batch: %v", errs3)
 	}
 }
+
+// TestFinishCutShortStopsHeartbeat: a Finish cut short by a panic (a
+// hook's, recovered by the caller) still stops the batch's heartbeat.
+// It went on re-arming its timer every beat for the life of the process,
+// holding the batch and its memory, and extending any claim still
+// waiting, so that claim's lease never ended and its message was never
+// redelivered.
+func TestFinishCutShortStopsHeartbeat(t *testing.T) {
+	ctx := context.Background()
+	s, _ := newMem(t)
+	r := newRunner(t, s, dedup.WithLease(time.Minute), dedup.WithHeartbeat(time.Millisecond),
+		dedup.WithHooks(dedup.HookFunc(func(_ context.Context, e any) {
+			if f, ok := e.(dedup.FinishEvent); ok && f.Op == "complete" {
+				panic("hook bug")
+			}
+		})))
+	var h byID
+	reqs := []dedup.ClaimRequest{{Key: k("hb1")}, {Key: k("hb2")}}
+	pb := r.StartBatch(ctx, reqs, h.handler(reqs))
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Fatal("Finish did not panic with its hook")
+			}
+		}()
+		pb.Finish()
+	}()
+	if started, stopped := dedup.Heartbeat(pb); !started || !stopped {
+		t.Fatalf("heartbeat started %v, stopped %v: the heartbeat of a batch whose Finish was cut short must stop", started, stopped)
+	}
+}
