@@ -6,11 +6,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The read's and the mark's planner settings (set_config(..., true), sent
@@ -21,50 +19,18 @@ import (
 // has its own settings and no transaction open, and marks and reads go on.
 func TestOutboxFetchSettingsStayOffTheSession(t *testing.T) {
 	t.Parallel()
-	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
-	for _, qm := range modes {
+	for _, qm := range queryModes {
 		t.Run(qm.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.MaxConns = 1
-			cfg.ConnConfig.DefaultQueryExecMode = qm
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := newPool(t, 1, inMode(qm))
 			shared := testPool(t)
 			s := openStoreOn(t, pool, freshSchema(t, shared))
 			src, err := s.OutboxSource(pgstore.WithOutboxPartitions(4))
 			if err != nil {
 				t.Fatal(err)
 			}
-			const show = `SELECT current_setting('enable_seqscan') || '/' || current_setting('enable_bitmapscan') || '/' || current_setting('enable_sort') || '/' || current_setting('jit') || '/' || current_setting('plan_cache_mode')`
-			session := func() (settings string, tx byte) {
-				t.Helper()
-				c, err := pool.Acquire(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer c.Release()
-				tx = c.Conn().PgConn().TxStatus()
-				if err := c.QueryRow(ctx, show).Scan(&settings); err != nil {
-					t.Fatal(err)
-				}
-				return settings, tx
-			}
-			want, _ := session()
-			check := func(after string) {
-				t.Helper()
-				if got, tx := session(); got != want || tx != 'I' {
-					t.Fatalf("%s: the session has %s, transaction status %q; want %s, 'I'", after, got, tx, want)
-				}
-			}
+			check := sessionKept(t, pool)
 			ks := keysOf(t, s, 1, 2)
 			writeOutboxTx(t, s, nil, outbox.Message{ID: "m1", Topic: "t", Key: ks[0]}, outbox.Message{ID: "m2", Topic: "t", Key: ks[1]})
 			l, ok, err := src.Acquire(ctx, "r1", 1, time.Hour)
@@ -155,8 +121,7 @@ func TestOutboxFetchSettingsStayOffTheSession(t *testing.T) {
 func TestOutboxFetchBatchShapeIsOneTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	for _, qm := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+	for _, qm := range queryModes {
 		var b pgx.Batch
 		b.Queue(`SELECT set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true), set_config('plan_cache_mode', 'force_custom_plan', true)`)
 		b.Queue(`SELECT current_setting('enable_bitmapscan') || '/' || current_setting('jit') || '/' || current_setting('plan_cache_mode'), $1::int`, 1)

@@ -10,11 +10,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // A read whose limit is far above the rows there are (a direct caller's
@@ -56,24 +53,12 @@ func TestOutboxFetchLimitFarAboveTheRows(t *testing.T) {
 // their results are overwritten.
 func TestOutboxFetchEdgeRowsKeepTheirBytes(t *testing.T) {
 	t.Parallel()
-	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
 	for _, timeParts := range []bool{false, true} {
-		for _, qm := range modes {
+		for _, qm := range queryModes {
 			t.Run(fmt.Sprintf("timeparts=%v/%v", timeParts, qm), func(t *testing.T) {
 				t.Parallel()
 				ctx := context.Background()
-				cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
-				if err != nil {
-					t.Fatal(err)
-				}
-				cfg.MaxConns = 2
-				cfg.ConnConfig.DefaultQueryExecMode = qm
-				pool, err := pgxpool.NewWithConfig(ctx, cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(pool.Close)
+				pool := newPool(t, 2, inMode(qm))
 				s := openStoreOn(t, pool, freshSchema(t, testPool(t)), pgstore.WithTablePrefix("rv_"))
 				if timeParts {
 					if err := s.PartitionOutbox(ctx, time.Hour); err != nil {
@@ -199,24 +184,12 @@ func TestOutboxFetchEdgeRowsKeepTheirBytes(t *testing.T) {
 // may come short).
 func TestOutboxFetchAndFetchNextAgree(t *testing.T) {
 	t.Parallel()
-	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
 	for _, timeParts := range []bool{false, true} {
-		for _, qm := range modes {
+		for _, qm := range queryModes {
 			t.Run(fmt.Sprintf("timeparts=%v/%v", timeParts, qm), func(t *testing.T) {
 				t.Parallel()
 				ctx := context.Background()
-				cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
-				if err != nil {
-					t.Fatal(err)
-				}
-				cfg.MaxConns = 2
-				cfg.ConnConfig.DefaultQueryExecMode = qm
-				pool, err := pgxpool.NewWithConfig(ctx, cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(pool.Close)
+				pool := newPool(t, 2, inMode(qm))
 				s := openStoreOn(t, pool, freshSchema(t, testPool(t)), pgstore.WithTablePrefix("rv_"))
 				if timeParts {
 					if err := s.PartitionOutbox(ctx, time.Hour); err != nil {

@@ -8,11 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The relay's reads return every message as written, in every pgx query
@@ -24,23 +21,11 @@ import (
 // chunks).
 func TestOutboxFetchReturnsMessagesAsWritten(t *testing.T) {
 	t.Parallel()
-	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
-	for _, qm := range modes {
+	for _, qm := range queryModes {
 		t.Run(qm.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.MaxConns = 2
-			cfg.ConnConfig.DefaultQueryExecMode = qm
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := newPool(t, 2, inMode(qm))
 			s := openStoreOn(t, pool, freshSchema(t, testPool(t)))
 			src, err := s.OutboxSource(pgstore.WithOutboxPartitions(4))
 			if err != nil {

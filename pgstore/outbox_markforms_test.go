@@ -8,11 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dedupkit/dedup/internal/testenv"
 	"github.com/dedupkit/dedup/outbox"
 	"github.com/dedupkit/dedup/pgstore"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Both forms of the mark (a bitmap over the batch's id range, an array
@@ -24,23 +22,11 @@ import (
 // bitmap as a literal); and a stale epoch's mark marks nothing.
 func TestOutboxMarkFormsExactEveryMode(t *testing.T) {
 	t.Parallel()
-	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
-	for _, qm := range modes {
+	for _, qm := range queryModes {
 		t.Run(qm.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.MaxConns = 1
-			cfg.ConnConfig.DefaultQueryExecMode = qm
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := newPool(t, 1, inMode(qm))
 			s := openStoreOn(t, pool, freshSchema(t, testPool(t)))
 			src, err := s.OutboxSource(pgstore.WithOutboxPartitions(4))
 			if err != nil {
@@ -140,50 +126,18 @@ OVERRIDING SYSTEM VALUE SELECT i, 'k' || i, $2::text, 't', '\x00' FROM unnest($1
 // transaction open, and the next mark marks.
 func TestOutboxMarkSettingsStayOffTheSession(t *testing.T) {
 	t.Parallel()
-	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
-	for _, qm := range modes {
+	for _, qm := range queryModes {
 		t.Run(qm.String(), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			cfg, err := pgxpool.ParseConfig(testenv.PostgresURL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.MaxConns = 1
-			cfg.ConnConfig.DefaultQueryExecMode = qm
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := newPool(t, 1, inMode(qm))
 			shared := testPool(t)
 			s := openStoreOn(t, pool, freshSchema(t, shared))
 			src, err := s.OutboxSource(pgstore.WithOutboxPartitions(4))
 			if err != nil {
 				t.Fatal(err)
 			}
-			const show = `SELECT current_setting('enable_seqscan') || '/' || current_setting('enable_bitmapscan') || '/' || current_setting('enable_sort') || '/' || current_setting('jit') || '/' || current_setting('plan_cache_mode')`
-			session := func() (settings string, tx byte) {
-				t.Helper()
-				c, err := pool.Acquire(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer c.Release()
-				tx = c.Conn().PgConn().TxStatus()
-				if err := c.QueryRow(ctx, show).Scan(&settings); err != nil {
-					t.Fatal(err)
-				}
-				return settings, tx
-			}
-			want, _ := session()
-			check := func(after string) {
-				t.Helper()
-				if got, tx := session(); got != want || tx != 'I' {
-					t.Fatalf("%s: the session has %s, transaction status %q; want %s, 'I'", after, got, tx, want)
-				}
-			}
+			check := sessionKept(t, pool)
 			ks := keysOf(t, s, 1, 2)
 			writeOutboxTx(t, s, nil, outbox.Message{ID: "m1", Topic: "t", Key: ks[0]}, outbox.Message{ID: "m2", Topic: "t", Key: ks[1]},
 				outbox.Message{ID: "m3", Topic: "t", Key: ks[1]})

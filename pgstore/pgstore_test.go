@@ -24,8 +24,8 @@ const (
 func testPool(t testing.TB) *pgxpool.Pool { return testenv.PostgresPool(t) }
 
 // newPool returns a pool of its own with at most maxConns connections,
-// closed at the end of the test.
-func newPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+// closed at the end of the test, its config changed by configure.
+func newPool(t testing.TB, maxConns int32, configure ...func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	url := testenv.PostgresURL(t)
 	cfg, err := pgxpool.ParseConfig(url)
@@ -33,12 +33,54 @@ func newPool(t testing.TB, maxConns int32) *pgxpool.Pool {
 		t.Fatal(err)
 	}
 	cfg.MaxConns = maxConns
+	for _, f := range configure {
+		f(cfg)
+	}
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.Close)
 	return p
+}
+
+// queryModes are pgx's query modes, in each of which the outbox's
+// statements must run.
+var queryModes = []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+	pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
+
+// inMode makes a pool's connections send queries in mode qm (newPool).
+func inMode(qm pgx.QueryExecMode) func(*pgxpool.Config) {
+	return func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = qm }
+}
+
+// sessionKept returns a check that the one session of pool still has the
+// planner settings the relay's statements set for themselves as it had
+// them when sessionKept was called, and no transaction open.
+func sessionKept(t *testing.T, pool *pgxpool.Pool) func(after string) {
+	t.Helper()
+	ctx := context.Background()
+	const show = `SELECT current_setting('enable_seqscan') || '/' || current_setting('enable_bitmapscan') || '/' || current_setting('enable_sort') || '/' || current_setting('jit') || '/' || current_setting('plan_cache_mode')`
+	session := func() (settings string, tx byte) {
+		t.Helper()
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Release()
+		tx = c.Conn().PgConn().TxStatus()
+		if err := c.QueryRow(ctx, show).Scan(&settings); err != nil {
+			t.Fatal(err)
+		}
+		return settings, tx
+	}
+	want, _ := session()
+	return func(after string) {
+		t.Helper()
+		if got, tx := session(); got != want || tx != 'I' {
+			t.Fatalf("%s: the session has %s, transaction status %q; want %s, 'I'", after, got, tx, want)
+		}
+	}
 }
 
 // freshSchema returns a schema name of the test's own, dropped at its end.
