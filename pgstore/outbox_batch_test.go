@@ -47,56 +47,12 @@ func TestOutboxFetchSettingsStayOffTheSession(t *testing.T) {
 			}
 			check("after a read ahead")
 
-			// Mid-batch failure: the settings ran, the read waits on a
-			// lock and times out.
-			lock, err := shared.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer lock.Rollback(ctx)
-			if _, err := lock.Exec(ctx, `LOCK TABLE `+s.Tables().Outbox+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-				t.Fatal(err)
-			}
-			var pid int32
-			if err := pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := pool.Exec(ctx, `SET lock_timeout = '100ms'`); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := src.Fetch(ctx, l, 1, false); pgCode(err) != "55P03" {
-				t.Fatalf("Fetch under the lock = %v, want a lock timeout", err)
-			}
-			check("after a read failed mid-batch")
-			if _, err := pool.Exec(ctx, `SET lock_timeout = 0`); err != nil {
-				t.Fatal(err)
-			}
-
-			// Mid-batch cancel: the read blocks on the lock (seen in
-			// pg_stat_activity), then its context is cancelled.
-			cctx, cancel := context.WithCancel(ctx)
-			defer cancel()
-			errc := make(chan error, 1)
-			go func() {
-				_, err := src.Fetch(cctx, l, 1, false)
-				errc <- err
-			}()
-			for waiting := false; !waiting; {
-				if err := shared.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid).Scan(&waiting); err != nil {
-					t.Fatal(err)
-				}
-				if !waiting {
-					time.Sleep(5 * time.Millisecond)
-				}
-			}
-			cancel()
-			if err := <-errc; err == nil {
-				t.Fatal("Fetch cancelled mid-batch returned no error")
-			}
-			if err := lock.Rollback(ctx); err != nil {
-				t.Fatal(err)
-			}
-			check("after a read cancelled mid-batch")
+			// Mid-batch failure (the settings ran, the read waits on a lock
+			// and times out) and a cancel mid-batch.
+			failMidBatch(t, s, pool, shared, "read", func(ctx context.Context) error {
+				_, err := src.Fetch(ctx, l, 1, false)
+				return err
+			}, check)
 
 			// The session still reads and marks.
 			batch, err = src.Fetch(ctx, l, 10, false)

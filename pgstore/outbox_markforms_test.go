@@ -154,49 +154,9 @@ func TestOutboxMarkSettingsStayOffTheSession(t *testing.T) {
 			}
 			check("after a mark")
 
-			lock, err := shared.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer lock.Rollback(ctx)
-			if _, err := lock.Exec(ctx, `LOCK TABLE `+s.Tables().Outbox+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-				t.Fatal(err)
-			}
-			var pid int32
-			if err := pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := pool.Exec(ctx, `SET lock_timeout = '100ms'`); err != nil {
-				t.Fatal(err)
-			}
-			if err := src.Mark(ctx, l, seqsOf(batch[1:2])); pgCode(err) != "55P03" {
-				t.Fatalf("Mark under the lock = %v, want a lock timeout", err)
-			}
-			check("after a mark failed mid-batch")
-			if _, err := pool.Exec(ctx, `SET lock_timeout = 0`); err != nil {
-				t.Fatal(err)
-			}
-
-			cctx, cancel := context.WithCancel(ctx)
-			defer cancel()
-			errc := make(chan error, 1)
-			go func() { errc <- src.Mark(cctx, l, seqsOf(batch[1:2])) }()
-			for waiting := false; !waiting; {
-				if err := shared.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid).Scan(&waiting); err != nil {
-					t.Fatal(err)
-				}
-				if !waiting {
-					time.Sleep(5 * time.Millisecond)
-				}
-			}
-			cancel()
-			if err := <-errc; err == nil {
-				t.Fatal("Mark cancelled mid-batch returned no error")
-			}
-			if err := lock.Rollback(ctx); err != nil {
-				t.Fatal(err)
-			}
-			check("after a mark cancelled mid-batch")
+			failMidBatch(t, s, pool, shared, "mark", func(ctx context.Context) error {
+				return src.Mark(ctx, l, seqsOf(batch[1:2]))
+			}, check)
 			if err := src.Mark(ctx, l, seqsOf(batch[1:])); err != nil {
 				t.Fatal(err)
 			}

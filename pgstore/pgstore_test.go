@@ -196,3 +196,56 @@ func TestConformance(t *testing.T) {
 		}, storetest.Features{Extend: true, BatchClaim: true, BatchComplete: true, Sweep: true})
 	})
 }
+
+// failMidBatch makes op (a read or a mark, named what) fail mid-batch on
+// pool's one session twice, calling check after each: by a lock timeout
+// while shared holds the outbox's ACCESS EXCLUSIVE lock (the settings
+// statement ran before op waited), then by a cancel while op waits on the
+// lock (seen in pg_stat_activity). The lock is released at the end.
+func failMidBatch(t *testing.T, s *pgstore.Store, pool, shared *pgxpool.Pool, what string, op func(context.Context) error, check func(after string)) {
+	t.Helper()
+	ctx := context.Background()
+	lock, err := shared.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Rollback(ctx)
+	if _, err := lock.Exec(ctx, `LOCK TABLE `+s.Tables().Outbox+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	var pid int32
+	if err := pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `SET lock_timeout = '100ms'`); err != nil {
+		t.Fatal(err)
+	}
+	if err := op(ctx); pgCode(err) != "55P03" {
+		t.Fatalf("%s under the lock = %v, want a lock timeout", what, err)
+	}
+	check("after a " + what + " failed mid-batch")
+	if _, err := pool.Exec(ctx, `SET lock_timeout = 0`); err != nil {
+		t.Fatal(err)
+	}
+
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { errc <- op(cctx) }()
+	for waiting := false; !waiting; {
+		if err := shared.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'`, pid).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if !waiting {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	cancel()
+	if err := <-errc; err == nil {
+		t.Fatalf("%s cancelled mid-batch returned no error", what)
+	}
+	if err := lock.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	check("after a " + what + " cancelled mid-batch")
+}
